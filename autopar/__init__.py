@@ -1,0 +1,19 @@
+"""autopar: graph-capture auto-parallelizer for PyTorch training.
+
+    pm = autopar.parallelize(model, example_inputs, loss_fn=..., optimizer=..., plan=autopar.Plan(pp=2))
+    loss = pm.step(inputs, target)
+"""
+from autopar.errors import CaptureError
+from autopar.plan import Plan
+
+__version__ = "0.1.0"
+__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel"]
+
+
+def __getattr__(name):
+    # torch is imported lazily so `autopar schedule ...` starts fast
+    if name in ("parallelize", "ParallelModel"):
+        from autopar import api
+
+        return getattr(api, name)
+    raise AttributeError(name)

@@ -1,0 +1,241 @@
+"""`autopar.parallelize`: the one orchestrator, in a fixed order with one log line per step.
+
+    validate plan -> capture (model + loss, one microbatch) -> split_stages -> split_backward
+    -> build schedule -> executor (local mode: every rank's program in this process)
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn as nn
+
+from autopar.plan import Plan
+
+log = logging.getLogger("autopar")
+
+
+def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
+                example_target=None) -> "ParallelModel":
+    """Parallelize ``model`` for training.
+
+    ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
+    ``loss_fn(output, target)`` returns a scalar; None means the model's output is the loss.
+    ``optimizer``: a callable taking an iterable of parameters, e.g.
+    ``functools.partial(torch.optim.AdamW, lr=1e-3)``; None means no parameter update.
+    ``plan``: an ``autopar.Plan``; None means a single stage (pp=1).
+    ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
+    for the first ``step`` (a loss_fn needs a target to be traced).
+    """
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        raise NotImplementedError("autopar: distributed execution (inside an initialized process group) is not "
+                                  "available yet; call parallelize without a process group to use local mode")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(example_inputs, torch.Tensor):
+        example_inputs = (example_inputs,)
+    plan = plan or Plan(pp=1)
+    pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan)
+    if loss_fn is None or example_target is not None:
+        pm._build(tuple(example_inputs), example_target)
+    return pm
+
+
+@dataclass
+class _Built:
+    captured: object
+    stages: list
+    programs: list
+    schedule: object
+    executor: object
+    microbatch_size: int
+    num_microbatches: int
+    input_shapes: tuple
+    target_shape: tuple | None
+
+
+class ParallelModel:
+    """A model split into pipeline stages with F/I/W programs, trained by ``step``."""
+
+    def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan):
+        self.model = model
+        self.loss_fn = loss_fn
+        self.plan = plan
+        self._example_inputs = example_inputs
+        self._params = _unique_params(model)
+        self.optimizer = optimizer(list(self._params.values())) if optimizer is not None else None
+        self._built: _Built | None = None
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _build(self, inputs: tuple, target) -> None:
+        from autopar import schedules
+        from autopar.passes import capture, split_backward, split_stages
+        from autopar.runtime import LocalPipeline
+
+        plan = self.plan
+        batch = _batch_size(inputs, target)
+        m = plan.num_microbatches or _default_microbatches(plan, batch)
+        if batch % (plan.dp * m):
+            raise ValueError(f"autopar: global batch {batch} is not divisible by dp*num_microbatches = "
+                             f"{plan.dp}*{m} = {plan.dp * m}; use a batch that is a multiple of {plan.dp * m} "
+                             "or change num_microbatches")
+        mb = batch // (plan.dp * m)
+        self.plan = plan = replace(plan, num_microbatches=m)  # the plan as resolved, e.g. for printing
+        t0 = time.perf_counter()
+        schedule = schedules.build(plan.schedule, plan.pp, m, stages_per_rank=plan.stages_per_rank)
+        log.info("autopar: schedule %s, pp=%d, %d stages, %d microbatches of %d", plan.schedule, plan.pp,
+                 plan.num_stages, m, mb)
+        mb_inputs = tuple(x[:mb] for x in inputs)
+        mb_target = target[:mb] if target is not None else None
+        captured = capture(self.model, mb_inputs, mb_target, self.loss_fn)
+        log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        stages = split_stages(captured, plan.num_stages, cuts=list(plan.stage_cuts) if plan.stage_cuts else None)
+        log.info("autopar: split into %d stages (cost %s) in %.2fs", len(stages),
+                 ", ".join(f"{s.cost * 1e3:.2f}" for s in stages), time.perf_counter() - t1)
+        t2 = time.perf_counter()
+        trainable = {fqn for fqn, p in self._params.items() if p.requires_grad}
+        programs, requires = [], {}
+        for st in stages:
+            prog = split_backward(st, requires, trainable, recompute=st.index in plan.recompute)
+            requires = {name: True for name in prog.diff_outputs}
+            programs.append(prog)
+        log.info("autopar: split backward into F/I/W for %d stages in %.2fs", len(programs), time.perf_counter() - t2)
+        state = {}
+        for fqn, p in self._params.items():
+            state[f"param:{fqn}"] = p
+        for fqn, b in self.model.named_buffers():
+            state[f"buffer:{fqn}"] = b
+        for name, c in captured.constants.items():
+            state[f"const:{name}"] = c
+        executor = LocalPipeline(programs, schedule, state, self._params)
+        self._built = _Built(captured, stages, programs, schedule, executor, mb, m,
+                             tuple(x.shape[1:] for x in inputs), None if target is None else target.shape[1:])
+
+    # -- training ---------------------------------------------------------------------------
+
+    def step(self, inputs, target=None) -> torch.Tensor:
+        """One optimizer step over the global batch; returns the loss (design.md §5)."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        inputs = tuple(inputs)
+        if self.loss_fn is not None and target is None:
+            raise ValueError("autopar: step needs a target when a loss_fn was given")
+        if self._built is None:
+            self._build(inputs, target)
+        b = self._built
+        plan = self.plan
+        batch = _batch_size(inputs, target)
+        if batch != b.microbatch_size * plan.dp * b.num_microbatches or tuple(x.shape[1:] for x in inputs) != b.input_shapes:
+            raise ValueError(f"autopar: step got inputs {[tuple(x.shape) for x in inputs]} but the program was captured "
+                             f"for a global batch of {b.microbatch_size * plan.dp * b.num_microbatches} with per-sample "
+                             f"shapes {[tuple(s) for s in b.input_shapes]}; shapes are static, re-parallelize for new shapes")
+        names = b.captured.inputs + ([b.captured.target] if b.captured.target else [])
+        tensors = list(inputs) + ([target] if b.captured.target else [])
+        n_total = plan.dp * b.num_microbatches
+        for p in self._params.values():
+            p.grad = None
+        total = None
+        for replica in range(plan.dp):
+            mbs = []
+            for k in range(b.num_microbatches):
+                lo = (replica * b.num_microbatches + k) * b.microbatch_size
+                mbs.append({n: t[lo: lo + b.microbatch_size] for n, t in zip(names, tensors)})
+            loss = b.executor.run(mbs, 1.0 / n_total)
+            total = loss if total is None else total + loss
+        if self.optimizer is not None:
+            self.optimizer.step()
+        return total
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Full tensors under the original FQNs (tied parameters under every name)."""
+        return self.model.state_dict()
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    @property
+    def stages(self):
+        self._require_built("stages")
+        return self._built.stages
+
+    @property
+    def programs(self):
+        self._require_built("programs")
+        return self._built.programs
+
+    @property
+    def schedule(self):
+        self._require_built("schedule")
+        return self._built.schedule
+
+    @property
+    def executed_actions(self) -> list[list[str]]:
+        """Per rank, the compute actions of the last step in the order they ran."""
+        self._require_built("executed_actions")
+        return self._built.executor.executed
+
+    def stage_table(self) -> str:
+        from autopar.inspect import stage_table
+
+        self._require_built("stage_table")
+        return stage_table(self._built.programs, self._built.schedule)
+
+    def dump(self, directory: str) -> list[str]:
+        """Write every stage's F, I, W, B code as Python plus a stage table; returns the paths."""
+        from autopar.inspect import dump_programs
+
+        self._require_built("dump")
+        os.makedirs(directory, exist_ok=True)
+        return dump_programs(self._built.programs, self._built.schedule, self.plan, directory)
+
+    def _require_built(self, what: str) -> None:
+        if self._built is None:
+            raise RuntimeError(f"autopar: {what} needs the captured program; pass example_target= to parallelize "
+                               "or run one step first")
+
+
+def _unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical FQN (first name) -> Parameter, tied parameters once."""
+    out, seen = {}, set()
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[fqn] = p
+    return out
+
+
+def _batch_size(inputs: tuple, target) -> int:
+    sizes = {tuple(x.shape[:1]) for x in inputs} | ({tuple(target.shape[:1])} if target is not None else set())
+    if len(sizes) != 1 or () in sizes:
+        shapes = [tuple(x.shape) for x in inputs] + ([tuple(target.shape)] if target is not None else [])
+        raise ValueError(f"autopar: every input and the target must share the batch size in dim 0; got shapes {shapes}")
+    return next(iter(sizes))[0]
+
+
+def _default_microbatches(plan: Plan, batch: int) -> int:
+    """Smallest microbatch count >= 2*pp the schedule accepts that divides the batch per replica."""
+    from autopar import schedules
+
+    per_replica = batch // plan.dp if batch % plan.dp == 0 else 0
+    divisors = [m for m in range(1, per_replica + 1) if per_replica % m == 0]
+    accepted = []
+    for m in divisors:
+        try:
+            schedules.build(plan.schedule, plan.pp, m, stages_per_rank=plan.stages_per_rank)
+        except ValueError:
+            continue
+        accepted.append(m)
+    preferred = [m for m in accepted if m >= 2 * plan.pp]
+    if preferred:
+        return preferred[0]
+    if accepted:
+        return accepted[-1]
+    raise ValueError(f"autopar: no microbatch count works for schedule {plan.schedule} with pp={plan.pp}, "
+                     f"dp={plan.dp} and global batch {batch}; pass num_microbatches explicitly or change the batch")

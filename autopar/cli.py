@@ -1,0 +1,53 @@
+"""`autopar` command line: demo, schedule, inspect. Subcommands import only what they need."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "schedule":
+        from autopar.schedules.cli import main as schedule_main
+
+        return schedule_main(argv[1:])
+    parser = argparse.ArgumentParser(prog="autopar", description="graph-capture auto-parallelizer for PyTorch training")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("schedule", help="print, simulate and export pipeline schedules (autopar schedule --help)")
+    demo = sub.add_parser("demo", help="capture examples/gpt, split it, train a few steps, compare with eager")
+    _model_args(demo)
+    demo.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
+    demo.add_argument("--lr", type=float, default=1e-3)
+    insp = sub.add_parser("inspect", help="write every stage's F/I/W/B code and the stage table to a directory")
+    _model_args(insp)
+    insp.add_argument("--out", default="autopar_dump", help="output directory (default ./autopar_dump)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            from autopar.demo import run_demo
+
+            return run_demo(args)
+        if args.command == "inspect":
+            from autopar.demo import run_inspect
+
+            return run_inspect(args)
+    except ValueError as e:
+        print(f"autopar {args.command}: {e}", file=sys.stderr)
+        return 2
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see autopar schedule --list)")
+    p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: schedule's choice)")
+    p.add_argument("--stages-per-rank", type=int, default=None)
+    p.add_argument("--layers", type=int, default=4, help="GPT layers (default 4)")
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
+    p.add_argument("--seq", type=int, default=32)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

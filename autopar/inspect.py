@@ -1,0 +1,64 @@
+"""Readable views of the generated programs: the stage table and `dump` (code of every F/I/W/B)."""
+from __future__ import annotations
+
+import os
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def stage_rows(programs, schedule) -> list[dict]:
+    rows = []
+    for prog in programs:
+        st = prog.stage
+        rank = schedule.stage_to_rank[st.index] if schedule is not None else 0
+        rows.append({
+            "stage": st.index, "rank": rank,
+            "params": len(st.params),
+            "param_bytes": sum(n.meta.get("autopar_bytes", 0) for n in st.gm.graph.nodes
+                               if n.op == "placeholder" and n.name in _param_placeholders(st)),
+            "fwd_gflop": prog.f.flops / 1e9, "i_gflop": prog.i.flops / 1e9, "w_gflop": prog.w.flops / 1e9,
+            "saved_bytes": prog.saved_bytes, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
+        })
+    return rows
+
+
+def _param_placeholders(st) -> set[str]:
+    phs = [n.name for n in st.gm.graph.nodes if n.op == "placeholder"]
+    return set(phs[: len(st.params)])
+
+
+def stage_table(programs, schedule=None) -> str:
+    head = f"{'stage':>5} {'rank':>4} {'params':>6} {'param mem':>10} {'F GFLOP':>8} {'I GFLOP':>8} {'W GFLOP':>8} " \
+           f"{'saved/mb':>10} {'bytes in':>10} {'bytes out':>10}"
+    lines = [head, "-" * len(head)]
+    for r in stage_rows(programs, schedule):
+        lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} {_fmt_bytes(r['param_bytes']):>10} "
+                     f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
+                     f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} {_fmt_bytes(r['bytes_out']):>10}")
+    return "\n".join(lines)
+
+
+def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
+    paths = []
+    for prog in programs:
+        s = prog.stage.index
+        for kind, p in (("F", prog.f), ("I", prog.i), ("W", prog.w), ("B", prog.b)):
+            path = os.path.join(directory, f"stage{s}_{kind}.py")
+            with open(path, "w") as fh:
+                fh.write(f"# autopar stage {s} {kind} program\n# args (runtime keys): {list(p.args)}\n"
+                         f"# results (runtime keys): {list(p.results)}\n# GFLOP: {p.flops / 1e9:.6f}\n")
+                fh.write(p.code)
+            paths.append(path)
+    path = os.path.join(directory, "stages.txt")
+    with open(path, "w") as fh:
+        if plan is not None:
+            fh.write("plan:\n" + plan.table() + "\n\n")
+        fh.write(stage_table(programs, schedule) + "\n")
+    paths.append(path)
+    return paths

@@ -1,0 +1,73 @@
+"""The plan: what a run does, as data (frozen, printable, JSON round-trip)."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to parallelize: mesh degrees, pipeline schedule, microbatches, stage boundaries.
+
+    ``stages_per_rank`` None means the schedule's default (2 for V-shaped and interleaved
+    schedules, 1 otherwise); ``num_microbatches`` None means the smallest count the schedule
+    accepts that is at least 2 * pp. ``stage_cuts`` fixes the pipeline cut positions (indices
+    into the captured graph's compute nodes); None lets the stage splitter choose.
+    ``recompute`` lists the stages whose F keeps only the stage inputs (I recomputes the rest).
+    """
+
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    schedule: str = "1f1b"
+    num_microbatches: int | None = None
+    stages_per_rank: int | None = None
+    stage_cuts: tuple[int, ...] | None = None
+    recompute: tuple[int, ...] = field(default=())
+
+    def __post_init__(self):
+        for name in ("pp", "dp", "cp", "ep"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"autopar.Plan: {name} must be a positive int, got {v!r}")
+        if self.num_microbatches is not None and (not isinstance(self.num_microbatches, int) or self.num_microbatches < 1):
+            raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {self.num_microbatches!r}")
+        if self.stages_per_rank is not None and (not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1):
+            raise ValueError(f"autopar.Plan: stages_per_rank must be a positive int or None, got {self.stages_per_rank!r}")
+        if self.cp != 1 or self.ep != 1:
+            raise ValueError(f"autopar.Plan: cp={self.cp}, ep={self.ep}: context and expert parallelism are not "
+                             "available yet; use cp=1, ep=1")
+        from autopar.schedules import default_stages_per_rank, names
+
+        if self.schedule not in names():
+            raise ValueError(f"autopar.Plan: unknown schedule {self.schedule!r}; choose one of {', '.join(names())}")
+        object.__setattr__(self, "recompute", tuple(self.recompute))
+        if self.stage_cuts is not None:
+            object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
+        if self.stages_per_rank is None:
+            object.__setattr__(self, "stages_per_rank", default_stages_per_rank(self.schedule))
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.cp
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known})
+
+    def table(self) -> str:
+        rows = [("pp", self.pp), ("dp", self.dp), ("schedule", self.schedule),
+                ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
+                ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none")]
+        w = max(len(k) for k, _ in rows)
+        return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

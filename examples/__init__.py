@@ -1,0 +1,1 @@
+"""Example models shipped with autopar (``autopar.examples``)."""

@@ -1,0 +1,259 @@
+"""Capture model + loss for one microbatch as one functional ATen graph (torch.export, non-strict).
+
+The captured graph's placeholders are, in order: parameters, buffers (and lifted constants),
+then the model inputs, then the target (when a loss_fn is given). Its outputs are the new
+values of mutated buffers (BatchNorm running stats, functionalized by export), then the
+scalar loss. Parameters and buffers keep their original FQNs; a parameter reachable under
+several names (tied embedding / LM head) becomes one placeholder under its first name.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.export.graph_signature import InputKind, OutputKind
+
+from autopar.errors import CaptureError
+
+from .costs import annotate_costs
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class CapturedGraph:
+    """One microbatch of model + loss as a functional fx graph, with where each value lives.
+
+    Fields map placeholder / output node *names* to model state:
+      params         placeholder -> canonical parameter FQN (first name in model.named_parameters())
+      buffers        placeholder -> buffer FQN
+      constants      placeholder -> tensor lifted by export that is neither parameter nor buffer
+      inputs         placeholder names of the model inputs, in call order
+      target         placeholder name of the target, or None when the model returns its loss
+      buffer_updates output-value node name -> FQN of the buffer it overwrites after the step
+      loss           node name of the scalar loss
+      aliases        canonical FQN -> every FQN of that parameter (tied weights)
+    """
+
+    gm: fx.GraphModule
+    params: dict[str, str]
+    buffers: dict[str, str]
+    constants: dict[str, torch.Tensor]
+    inputs: list[str]
+    target: str | None
+    buffer_updates: dict[str, str]
+    loss: str
+    aliases: dict[str, list[str]] = field(default_factory=dict)
+
+    def node(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+    def summary(self) -> str:
+        n_ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
+        flops = sum(n.meta.get("autopar_flops", 0) for n in self.gm.graph.nodes)
+        return (f"{n_ops} ops, {len(self.params)} parameters, {len(self.buffers)} buffers, "
+                f"{len(self.inputs)} inputs, {flops / 1e9:.3f} GFLOP forward per microbatch")
+
+
+class _ModelWithLoss(nn.Module):
+    """What gets exported: model(*inputs) followed by loss_fn(output, target)."""
+
+    def __init__(self, model: nn.Module, loss_fn, num_inputs: int):
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.num_inputs = num_inputs
+
+    def forward(self, *args):
+        out = self.model(*args[: self.num_inputs])
+        if self.loss_fn is None:
+            return out
+        return self.loss_fn(out, args[self.num_inputs])
+
+
+def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None) -> CapturedGraph:
+    """Capture ``loss_fn(model(*inputs), target)`` (or ``model(*inputs)`` when loss_fn is None).
+
+    ``inputs``/``target`` are one microbatch. Raises CaptureError naming the user's source line
+    when the model can't be captured as one static graph.
+    """
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    inputs = tuple(inputs)
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"autopar: model input {i} is a {type(x).__name__}; every input must be a tensor "
+                             "(bind non-tensor arguments with functools.partial or a wrapper module)")
+    if loss_fn is not None and target is None:
+        raise ValueError("autopar: a loss_fn was given but no target; pass the target, or loss_fn=None "
+                         "if the model returns its loss")
+    if isinstance(loss_fn, nn.Module) and any(True for _ in loss_fn.parameters()):
+        raise ValueError("autopar: loss_fn has parameters; move them into the model so the optimizer sees them")
+    wrapper = _ModelWithLoss(model, loss_fn, len(inputs))
+    args = inputs + ((target,) if loss_fn is not None else ())
+    try:
+        with _quiet_export_logs():
+            ep = torch.export.export(wrapper, args, strict=False)
+            ep = ep.run_decompositions({})  # functionalize: buffer mutations become outputs
+    except Exception as e:  # noqa: BLE001 - every failure is re-raised as CaptureError with context
+        raise CaptureError(_explain_capture_failure(model, e)) from e
+    captured = _from_exported(ep, wrapper, model, loss_fn is not None)
+    annotate_costs(captured.gm)
+    captured.gm.graph.lint()
+    return captured
+
+
+def _from_exported(ep, wrapper: nn.Module, model: nn.Module, has_target: bool) -> CapturedGraph:
+    gm = ep.graph_module
+    graph = gm.graph
+    sig = ep.graph_signature
+    canonical = {}  # id(param) -> canonical fqn
+    aliases: dict[str, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        key = id(p)
+        if key not in canonical:
+            canonical[key] = fqn
+        aliases.setdefault(canonical[key], []).append(fqn)
+    by_name = {n.name: n for n in graph.nodes}
+
+    params: dict[str, str] = {}
+    buffers: dict[str, str] = {}
+    constants: dict[str, torch.Tensor] = {}
+    user_inputs: list[str] = []
+    first_placeholder_of: dict[int, fx.Node] = {}  # id(tensor) -> placeholder kept
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        node = by_name[name]
+        if spec.kind == InputKind.PARAMETER:
+            tensor = wrapper.get_parameter(spec.target)
+            fqn = canonical.get(id(tensor))
+            if fqn is None:
+                raise CaptureError(f"autopar: parameter {spec.target} is not a parameter of the model "
+                                   "(loss functions must not own parameters)")
+        elif spec.kind == InputKind.BUFFER:
+            tensor = wrapper.get_buffer(spec.target)
+            fqn = _strip_model_prefix(spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            constants[name] = ep.constants[spec.target]
+            continue
+        elif spec.kind == InputKind.USER_INPUT:
+            user_inputs.append(name)
+            continue
+        else:
+            raise CaptureError(f"autopar: captured graph has an input of kind {spec.kind.name} ({name}); "
+                               "only parameters, buffers, constants and tensor inputs are supported")
+        kept = first_placeholder_of.get(id(tensor))
+        if kept is not None:
+            # The same tensor under a second name (tied weights): one placeholder, one gradient.
+            node.replace_all_uses_with(kept)
+            graph.erase_node(node)
+            continue
+        first_placeholder_of[id(tensor)] = node
+        (params if spec.kind == InputKind.PARAMETER else buffers)[name] = fqn
+
+    buffer_updates: dict[str, str] = {}
+    loss_name = None
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    out_values = list(out_node.args[0])
+    for spec, value in zip(sig.output_specs, out_values):
+        if spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer_updates[value.name] = _strip_model_prefix(spec.target)
+        elif spec.kind == OutputKind.USER_OUTPUT:
+            if loss_name is not None:
+                raise CaptureError("autopar: the loss must be one scalar tensor; the model+loss returned several "
+                                   "values (pass a loss_fn that reduces the output to a scalar)")
+            loss_name = value.name
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            raise CaptureError(f"autopar: the model mutates its input {spec.target} in place; "
+                               "clone the input before modifying it")
+        else:
+            raise CaptureError(f"autopar: the model mutates {spec.target} ({spec.kind.name}) during forward; "
+                               "only buffer updates are supported")
+    if loss_name is None or not isinstance(by_name[loss_name].meta.get("val"), torch.Tensor):
+        raise CaptureError("autopar: model+loss must return one scalar tensor (the loss); "
+                           "pass loss_fn(output, target), or return the loss from the model with loss_fn=None")
+    loss_val = by_name[loss_name].meta["val"]
+    if loss_val.dim() != 0 or not loss_val.is_floating_point():
+        raise ValueError(f"autopar: the loss must be a floating-point scalar; got shape {tuple(loss_val.shape)} "
+                         f"dtype {loss_val.dtype} (reduce it with .mean() or .sum() in loss_fn)")
+    gm.recompile()
+    target = user_inputs[-1] if has_target else None
+    model_inputs = user_inputs[:-1] if has_target else user_inputs
+    return CapturedGraph(gm=gm, params=params, buffers=buffers, constants=constants, inputs=model_inputs,
+                         target=target, buffer_updates=buffer_updates, loss=loss_name, aliases=aliases)
+
+
+def _strip_model_prefix(target: str) -> str:
+    assert target.startswith("model."), target
+    return target[len("model."):]
+
+
+@contextlib.contextmanager
+def _quiet_export_logs():
+    """torch.export logs whole graphs at WARNING on data-dependent failures; our error says it better."""
+    names = ["torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export", "torch._dynamo"]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    try:
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        with warnings.catch_warnings():
+            # torch's own deep copy of its module call graph warns about its own pytree API
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            yield
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
+
+
+def _user_frame(exc: BaseException):
+    """The deepest traceback frame in the user's code (not torch, not autopar, not the stdlib)."""
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    best = None
+    e: BaseException | None = exc
+    while e is not None:
+        for frame in traceback.extract_tb(e.__traceback__):
+            fn = os.path.abspath(frame.filename)
+            if fn.startswith(_TORCH_DIR) or fn.startswith(stdlib) or "site-packages" in fn:
+                continue
+            if os.path.abspath(__file__) == fn:
+                continue
+            best = frame
+        e = e.__cause__ or e.__context__
+    return best
+
+
+def _explain_capture_failure(model: nn.Module, exc: BaseException) -> str:
+    text = str(exc)
+    kind = type(exc).__name__
+    frame = _user_frame(exc)
+    where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "an unknown line"
+    if "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
+        what = "data-dependent Python control flow (a branch or shape that depends on tensor values)"
+        fix = ("make it tensor-only, e.g. torch.where(cond, a, b) instead of `if`, fixed-size masks "
+               "instead of boolean indexing, or torch.cond for real branches")
+    elif "not supported" in text.lower() or "unsupported" in text.lower() or "NotImplemented" in kind:
+        what = "an operation torch.export cannot capture"
+        fix = "replace it with a standard torch op, or register it as a custom op with a fake (meta) kernel"
+    else:
+        what = f"{kind}"
+        fix = "check that model(*inputs) and loss_fn run eagerly on these inputs; see the chained error below"
+    first = text.strip().splitlines()[0] if text.strip() else kind
+    return (f"autopar could not capture {type(model).__name__}: {what} at {where}.\n"
+            f"  Fix: {fix}.\n  torch.export said: {first[:300]}")

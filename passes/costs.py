@@ -1,0 +1,99 @@
+"""Per-node cost annotation: FLOPs and output bytes from fake tensors (no real compute).
+
+Every call_function node of an annotated graph gets
+  node.meta["autopar_flops"]  -- floating point operations of the op (torch's FlopCounterMode rules)
+  node.meta["autopar_bytes"]  -- bytes of the tensors the op returns
+Placeholders get bytes only. Views report their output size too; `value_bytes` is what an
+activation costs to keep or send, which is what the stage splitter and the memory model want.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+# A crude CPU-ish roofline used only to *balance* stages against each other; the planner
+# (autopar.planner) owns the calibrated per-device model. Units: seconds.
+_BALANCE_FLOPS_PER_S = 1e11
+_BALANCE_BYTES_PER_S = 1e10
+
+
+def value_bytes(val) -> int:
+    """Bytes held by a (possibly nested) node value: the sum over its tensors."""
+    total = 0
+    for leaf in tree_leaves(val):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def node_time(node: fx.Node) -> float:
+    """Relative cost of one node for stage balancing: max(compute, memory traffic)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return 0.0  # a getitem's bytes are already counted by the op that produced the tuple
+    flops = node.meta.get("autopar_flops", 0)
+    nbytes = node.meta.get("autopar_bytes", 0)
+    return max(flops / _BALANCE_FLOPS_PER_S, nbytes / _BALANCE_BYTES_PER_S)
+
+
+def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
+    """Fill autopar_flops / autopar_bytes on every node by replaying the graph on fake tensors.
+
+    Needs node.meta["val"] on placeholders (torch.export and make_fx both record it).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in placeholders])
+    if fake_mode is None:
+        # Graphs built on real tensors: fake them once, shapes are all we need.
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    env: dict[fx.Node, object] = {}
+    counter = FlopCounterMode(display=False)
+    with fake_mode, counter:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                val = node.meta.get("val")
+                env[node] = val
+                node.meta["autopar_flops"] = 0
+                node.meta["autopar_bytes"] = value_bytes(val)
+            elif node.op == "call_function":
+                args = fx.node.map_arg(node.args, lambda a: env[a])
+                kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+                before = counter.get_total_flops()
+                if node.target is operator.getitem:
+                    out = operator.getitem(*args)
+                elif "val" in node.meta and is_random(node):
+                    out = node.meta["val"]  # don't advance any RNG state while annotating
+                else:
+                    out = node.target(*args, **kwargs)
+                env[node] = out
+                node.meta["autopar_flops"] = counter.get_total_flops() - before
+                node.meta["autopar_bytes"] = value_bytes(out)
+            elif node.op == "get_attr":
+                env[node] = getattr(gm, node.target)
+                node.meta["autopar_flops"] = 0
+                node.meta["autopar_bytes"] = 0
+    return gm
+
+
+def is_random(node: fx.Node) -> bool:
+    """True when the node draws random numbers (dropout and friends; attention with dropout_p=0 does not)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name == "dropout_p":
+            value = node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)
+            return value != 0
+    return True
+
+
+def graph_flops(gm: fx.GraphModule) -> int:
+    return sum(n.meta.get("autopar_flops", 0) for n in gm.graph.nodes)

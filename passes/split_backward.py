@@ -1,0 +1,351 @@
+"""Split each stage into F (forward), I (input grad), W (weight grad) and fused B programs.
+
+Per stage we trace ONE joint graph with make_fx:
+    outs = stage_forward(params, buffers, constants, data, inputs)
+    grads = torch.autograd.grad(differentiable outs, (inputs that need grad, params), tangents)
+and partition its nodes by what each output needs:
+    F = ancestors of the forward outputs
+    I = ancestors of the input gradients, minus F           (recompute: not minus F)
+    W = ancestors of the parameter gradients, minus F and I (recompute: minus I only)
+    B = I + W
+Ops that produce an input grad and weight grads in one call (layer/batch/group norm and
+convolution backward) are first cut in two by their ``output_mask`` so that I never computes
+a weight gradient and W never computes an input gradient.
+
+Programs exchange values by *key* (see StageProgram): the runtime keeps one dict per
+(stage, microbatch), fills it with what F returns, passes each program the keys it lists, and
+drops every key no later program of that microbatch reads.
+"""
+from __future__ import annotations
+
+import keyword
+import logging
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from .costs import annotate_costs, graph_flops, is_random, value_bytes
+from .split_stages import StageGraph
+
+log = logging.getLogger("autopar")
+aten = torch.ops.aten
+
+# op -> (index of output_mask argument, number of outputs); output 0 is the input gradient.
+_MASKED_BACKWARD = {
+    aten.native_layer_norm_backward.default: 7,
+    aten.native_batch_norm_backward.default: 9,
+    aten.native_group_norm_backward.default: 9,
+    aten.convolution_backward.default: 10,
+}
+
+
+def param_key(fqn: str) -> str:
+    return f"param:{fqn}"
+
+
+def buffer_key(fqn: str) -> str:
+    return f"buffer:{fqn}"
+
+
+def const_key(name: str) -> str:
+    return f"const:{name}"
+
+
+def data_key(name: str) -> str:
+    return f"data:{name}"
+
+
+def input_key(name: str) -> str:
+    return f"in:{name}"
+
+
+def grad_key(name: str) -> str:
+    """Gradient flowing into the stage output ``name`` (the loss's is the 1/n_total scale)."""
+    return f"grad:{name}"
+
+
+LOSS = "loss"
+
+
+@dataclass
+class Program:
+    """One generated GraphModule and the runtime keys of its arguments and results."""
+
+    gm: fx.GraphModule
+    args: tuple[str, ...]
+    results: tuple[str, ...]
+    flops: int = 0
+
+    def __call__(self, env: dict, state: dict) -> None:
+        """Read args from the microbatch env (or the shared state for parameters/buffers), run,
+        and store the results in env under their keys."""
+        outs = self.gm(*[env[k] if k in env else state[k] for k in self.args])
+        env.update(zip(self.results, outs))
+
+    @property
+    def code(self) -> str:
+        return self.gm.code
+
+
+@dataclass
+class StageProgram:
+    """F/I/W/B programs of one stage.
+
+    Result keys: F -> ``out:<name>`` activations, ``update:<fqn>`` buffer values, ``loss``, and
+    ``saved:<node>`` values for I/W; I -> ``gin:<name>`` input grads and ``saved:<node>`` for W;
+    W -> ``gparam:<fqn>``; B -> both gradient sets.
+    """
+
+    stage: StageGraph
+    f: Program
+    i: Program
+    w: Program
+    b: Program
+    diff_outputs: tuple[str, ...]   # stage outputs that receive a gradient (LOSS for the last stage)
+    grad_inputs: tuple[str, ...]    # stage inputs that get a gradient, in I's result order
+    grad_params: tuple[str, ...]    # canonical FQNs that get a gradient
+    input_strides: dict[str, tuple[int, ...]]  # layout each received activation must have
+    saved_bytes: int                # bytes F keeps for I and W, per microbatch
+    saved_bytes_after_i: int        # of those (plus I's own saved values), what W still needs
+    recompute: bool
+    joint: fx.GraphModule = field(repr=False)
+    regions: dict[str, frozenset[str]] = field(repr=False, default_factory=dict)  # joint node names
+
+    def keys_after(self, program: str) -> frozenset[str]:
+        """Keys of a microbatch's env still needed after `program` ran (for releasing memory)."""
+        if program == "F":
+            return frozenset(k for k in self.i.args + self.w.args + self.b.args if _is_local_key(k))
+        if program == "I":
+            return frozenset(k for k in self.w.args if _is_local_key(k))
+        return frozenset()
+
+
+def _is_local_key(k: str) -> bool:
+    """Keys that live in a microbatch env (state keys live in the shared state dict)."""
+    return not k.startswith(("param:", "buffer:", "const:"))
+
+
+def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str] | None = None,
+                   recompute: bool = False) -> StageProgram:
+    """Trace the stage's joint graph and partition it into F, I, W and B programs.
+
+    ``input_requires_grad[name]`` says which stage inputs carry a gradient (the previous stage's
+    ``diff_outputs``); ``trainable`` is the set of parameter FQNs that get gradients (default all).
+    """
+    sg = stage.gm
+    phs = [n for n in sg.graph.nodes if n.op == "placeholder"]
+    n_p, n_b, n_c, n_d = len(stage.params), len(stage.buffers), len(stage.constants), len(stage.data)
+    keys = ([param_key(f) for f in stage.params] + [buffer_key(f) for f in stage.buffers]
+            + [const_key(c) for c in stage.constants] + [data_key(d) for d in stage.data]
+            + [input_key(i) for i in stage.inputs])
+    assert len(keys) == len(phs)
+    trainable = set(stage.params) if trainable is None else trainable
+    out_names = list(stage.outputs) + [f"update:{f}" for f in stage.buffer_updates] + ([LOSS] if stage.has_loss else [])
+    n_act = len(stage.outputs)
+    vals = [p.meta["val"] for p in phs]
+    fake_mode = detect_fake_mode(vals)
+    # Which outputs may carry a gradient: activations and the loss, never buffer updates.
+    grad_candidates = [i for i in range(len(out_names)) if i < n_act or out_names[i] == LOSS]
+    grad_candidates = [i for i in grad_candidates if _is_float(_out_val(sg, i))]
+    record: dict[str, list] = {}
+
+    def joint_fn(*flat):
+        state_and_inputs = flat[: len(phs)]
+        tangents = flat[len(phs):]
+        outs = sg(*state_and_inputs)
+        diff_idx = [i for i in grad_candidates if outs[i].requires_grad]
+        in_idx = [j for j in range(n_p + n_b + n_c + n_d, len(phs)) if state_and_inputs[j].requires_grad]
+        par_idx = [j for j in range(n_p) if state_and_inputs[j].requires_grad]
+        wrt = [state_and_inputs[j] for j in in_idx + par_idx]
+        tan = [tangents[grad_candidates.index(i)] for i in diff_idx]
+        grads = torch.autograd.grad([outs[i] for i in diff_idx], wrt, tan, allow_unused=True) if diff_idx and wrt else [None] * len(wrt)
+        g_in = [torch.zeros_like(state_and_inputs[j]) if g is None else g for j, g in zip(in_idx, grads[: len(in_idx)])]
+        g_par = list(grads[len(in_idx):])
+        record["diff"], record["in"] = diff_idx, in_idx
+        record["par"] = [(j, g is not None) for j, g in zip(par_idx, g_par)]
+        return (*outs, *g_in, *[g for g in g_par if g is not None])
+
+    with fake_mode:
+        args = []
+        for j, v in enumerate(vals):
+            v = v.detach()
+            needs = (j < n_p and stage.params[j] in trainable) or (
+                j >= len(phs) - len(stage.inputs) and input_requires_grad.get(stage.inputs[j - (len(phs) - len(stage.inputs))], False))
+            if needs and _is_float(v):
+                v = v.requires_grad_(True)
+            args.append(v)
+        # Gradients arrive contiguous (the runtime makes them so): trace them that way, so the
+        # view ops the trace picks are valid at run time. Activations keep their traced strides
+        # (StageProgram.input_strides), because the forward graph's views were chosen for them.
+        tangents = [torch.empty(_out_val(sg, i).shape, dtype=_out_val(sg, i).dtype, device=_out_val(sg, i).device)
+                    for i in grad_candidates]
+        joint = make_fx(joint_fn, tracing_mode="real")(*args, *tangents)
+
+    j_phs = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    names: dict[fx.Node, str] = {}
+    for n, k in zip(j_phs, keys + [grad_key(out_names[i]) for i in grad_candidates]):
+        names[n] = k
+    diff_outputs = tuple(out_names[i] for i in record["diff"])
+    grad_inputs = tuple(stage.inputs[j - (len(phs) - len(stage.inputs))] for j in record["in"])
+    grad_params = tuple(stage.params[j] for j, has in record["par"] if has)
+
+    out_node = next(n for n in joint.graph.nodes if n.op == "output")
+    flat_out = list(out_node.args[0])
+    n_out = len(out_names)
+    fwd_outs = flat_out[:n_out]
+    gin_nodes = flat_out[n_out: n_out + len(grad_inputs)]
+    gpar_nodes = flat_out[n_out + len(grad_inputs):]
+    assert len(gpar_nodes) == len(grad_params)
+
+    _split_masked_backward(joint, set(_ancestors(gin_nodes)))
+    # node objects may have been replaced: re-read outputs
+    flat_out = list(out_node.args[0])
+    fwd_outs, gin_nodes, gpar_nodes = flat_out[:n_out], flat_out[n_out: n_out + len(grad_inputs)], flat_out[n_out + len(grad_inputs):]
+
+    if recompute and any(is_random(n) for n in joint.graph.nodes):
+        raise ValueError(f"autopar: stage {stage.index} has random ops (dropout?); recomputation would replay "
+                         "them with different random numbers. Use recompute=False for this stage.")
+    fwd_set = _ancestors(fwd_outs)
+    gin_anc = _ancestors(gin_nodes)
+    gpar_anc = _ancestors(gpar_nodes)
+    f_nodes = fwd_set
+    i_nodes = gin_anc if recompute else gin_anc - fwd_set
+    w_nodes = gpar_anc - i_nodes if recompute else gpar_anc - fwd_set - i_nodes
+    b_nodes = i_nodes | w_nodes
+
+    order = {n: k for k, n in enumerate(joint.graph.nodes)}
+
+    def key_of(n: fx.Node) -> str:
+        return names.get(n) or f"saved:{n.name}"
+
+    def used_from_outside(region: set, results: list) -> list[fx.Node]:
+        need = []
+        for n in region:
+            for a in n.all_input_nodes:
+                if a not in region:
+                    need.append(a)
+        need += [r for r in results if r not in region]
+        return sorted(set(need), key=order.__getitem__)
+
+    # values a region produces that a later region of the same stage reads
+    f_saved = [n for n in sorted(f_nodes, key=order.__getitem__)
+               if any(u in (b_nodes | i_nodes | w_nodes) for u in n.users)]
+    i_saved = [n for n in sorted(i_nodes, key=order.__getitem__) if any(u in w_nodes for u in n.users)]
+
+    fwd_keys = [f"out:{nm}" if k < n_act else nm for k, nm in enumerate(out_names)]
+    f_prog = _extract(joint, f_nodes, fwd_outs + f_saved, key_of, used_from_outside(f_nodes, fwd_outs),
+                      fwd_keys + [key_of(n) for n in f_saved], f"stage{stage.index}_F")
+    gin_keys = [f"gin:{nm}" for nm in grad_inputs]
+    gpar_keys = [f"gparam:{f}" for f in grad_params]
+    i_prog = _extract(joint, i_nodes, gin_nodes + i_saved, key_of, used_from_outside(i_nodes, gin_nodes),
+                      gin_keys + [key_of(n) for n in i_saved], f"stage{stage.index}_I")
+    w_prog = _extract(joint, w_nodes, gpar_nodes, key_of, used_from_outside(w_nodes, gpar_nodes),
+                      gpar_keys, f"stage{stage.index}_W")
+    b_prog = _extract(joint, b_nodes, gin_nodes + gpar_nodes, key_of, used_from_outside(b_nodes, gin_nodes + gpar_nodes),
+                      gin_keys + gpar_keys, f"stage{stage.index}_B")
+    if recompute:
+        for prog in (i_prog, w_prog, b_prog):
+            bad = [k for k in prog.args if k.startswith("saved:")]
+            assert not bad or prog is w_prog, f"recompute stage reads saved forward values {bad}"
+
+    saved_f = sum(value_bytes(n.meta.get("val")) for n in f_saved)
+    saved_after_i = sum(_key_bytes(w_prog, k) for k in w_prog.args if _is_local_key(k))
+    return StageProgram(
+        stage=stage, f=f_prog, i=i_prog, w=w_prog, b=b_prog,
+        diff_outputs=diff_outputs, grad_inputs=grad_inputs, grad_params=grad_params,
+        input_strides={name: tuple(v.stride()) for name, v in zip(stage.inputs, vals[len(phs) - len(stage.inputs):])},
+        saved_bytes=saved_f, saved_bytes_after_i=saved_after_i, recompute=recompute, joint=joint,
+        regions={"F": frozenset(n.name for n in f_nodes), "I": frozenset(n.name for n in i_nodes),
+                 "W": frozenset(n.name for n in w_nodes)},
+    )
+
+
+def _key_bytes(prog: Program, key: str) -> int:
+    for n, k in zip((n for n in prog.gm.graph.nodes if n.op == "placeholder"), prog.args):
+        if k == key:
+            return n.meta.get("autopar_bytes", 0)
+    return 0
+
+
+def _out_val(gm: fx.GraphModule, i: int):
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return out.args[0][i].meta["val"]
+
+
+def _is_float(v) -> bool:
+    return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+
+
+def _ancestors(nodes) -> set[fx.Node]:
+    """call_function ancestors of `nodes` (inclusive)."""
+    seen: set[fx.Node] = set()
+    stack = [n for n in nodes if isinstance(n, fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n in seen or n.op != "call_function":
+            continue
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return seen
+
+
+def _split_masked_backward(joint: fx.GraphModule, needed_for_inputs: set[fx.Node]) -> None:
+    """Cut fused norm/conv backward ops into an input-grad call and a weight-grad call."""
+    graph = joint.graph
+    for node in list(graph.nodes):
+        mask_at = _MASKED_BACKWARD.get(node.target) if node.op == "call_function" else None
+        if mask_at is None or node not in needed_for_inputs:
+            continue
+        getters = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+        mask = list(node.args[mask_at])
+        weight_side = [i for i in getters if i > 0 and mask[i]]
+        if 0 not in getters or not weight_side:
+            continue
+        with graph.inserting_after(node):
+            args_w = list(node.args)
+            args_w[mask_at] = [False] + [bool(mask[i]) and i in getters for i in range(1, len(mask))]
+            w_node = graph.call_function(node.target, tuple(args_w), dict(node.kwargs))
+            w_node.meta = dict(node.meta)
+        args_i = list(node.args)
+        args_i[mask_at] = [True] + [False] * (len(mask) - 1)
+        node.args = tuple(args_i)
+        for i in weight_side:
+            getters[i].replace_input_with(node, w_node)
+    graph.lint()
+    joint.recompile()
+
+
+_IDENT = re.compile(r"[^0-9a-zA-Z_]+")
+
+
+def _py_name(key: str) -> str:
+    name = _IDENT.sub("_", key).strip("_") or "arg"
+    if name[0].isdigit() or keyword.iskeyword(name):
+        name = "_" + name
+    return name
+
+
+def _extract(joint: fx.GraphModule, region: set, results: list, key_of, inputs: list, result_keys: list,
+             name: str) -> Program:
+    """A GraphModule computing `results` from `inputs` with the nodes of `region` (joint order)."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    arg_keys = []
+    for n in inputs:
+        ph = g.placeholder(_py_name(key_of(n)))
+        ph.meta = dict(n.meta)
+        env[n] = ph
+        arg_keys.append(key_of(n))
+    for n in joint.graph.nodes:
+        if n in region:
+            env[n] = g.node_copy(n, lambda x: env[x])
+    g.output(tuple(env[r] for r in results))
+    gm = fx.GraphModule(torch.nn.Module(), g, class_name=name)
+    gm.graph.lint()
+    annotate_costs(gm)
+    return Program(gm=gm, args=tuple(arg_keys), results=tuple(result_keys), flops=graph_flops(gm))

@@ -1,0 +1,163 @@
+"""Eager reference for the numerics contract (design.md §5).
+
+One process, no parallelism: the global batch is cut into ``dp`` contiguous replica slices,
+each into ``num_microbatches`` equal microbatches; the microbatches run in order
+(replica 0 mb 0..m-1, replica 1 mb 0..m-1, ...) with gradient accumulation of
+``loss / n_total`` (``n_total = dp * num_microbatches``), then one ``optimizer.step()``.
+autopar's ``pm.step`` must reproduce the returned losses and the final state (parameters and,
+with dp = 1, buffers) to fp32 tolerance.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+__all__ = ["split_batch", "eager_reference", "assert_close_state", "state_copy"]
+
+
+def split_batch(tensor: torch.Tensor, dp: int, num_microbatches: int) -> list[list[torch.Tensor]]:
+    """Split ``tensor`` along dim 0 into ``dp`` contiguous slices, each into
+    ``num_microbatches`` equal microbatches: ``result[replica][microbatch]``."""
+    if dp < 1 or num_microbatches < 1:
+        raise ValueError(f"dp={dp} and num_microbatches={num_microbatches} must be >= 1")
+    n = tensor.shape[0]
+    n_total = dp * num_microbatches
+    if n % n_total:
+        raise ValueError(f"batch size {n} is not divisible by dp * num_microbatches = "
+                         f"{dp} * {num_microbatches} = {n_total}")
+    mb = n // n_total
+    chunks = list(torch.split(tensor, mb, dim=0))
+    return [chunks[r * num_microbatches:(r + 1) * num_microbatches] for r in range(dp)]
+
+
+def _split_tree(tree: Any, dp: int, num_microbatches: int) -> list[Any]:
+    """Split every tensor leaf of a pytree; returns the flat microbatch list in contract order
+    (replica-major). Non-tensor leaves are passed unchanged to every microbatch."""
+    leaves, spec = pytree.tree_flatten(tree)
+    n_total = dp * num_microbatches
+    per_leaf = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts = split_batch(leaf, dp, num_microbatches)
+            per_leaf.append([p for replica in parts for p in replica])
+        else:
+            per_leaf.append([leaf] * n_total)
+    return [pytree.tree_unflatten([pl[i] for pl in per_leaf], spec) for i in range(n_total)]
+
+
+def state_copy(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``{fqn: tensor.clone()}`` of ``model.state_dict()`` (parameters and persistent buffers;
+    a tied parameter appears under each of its names)."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def eager_reference(
+    model: nn.Module,
+    inputs: tuple,
+    target: Any,
+    loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+    optimizer_factory: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    dp: int = 1,
+    num_microbatches: int = 1,
+    steps: int = 2,
+) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Design.md §5: split the global batch into dp contiguous slices, each into
+    num_microbatches equal microbatches (order: replica 0 mb 0..m-1, replica 1 ...); for each:
+    ``(loss_fn(model(*x_mb), y_mb) / n_total).backward()``; then ``optimizer.step()``;
+    ``optimizer.zero_grad()``. The same global batch is used at every step.
+
+    Works on a deep copy of ``model`` (the caller's model is not touched). ``loss_fn=None``
+    means the model output is the loss (``target`` is then ignored). ``optimizer_factory``
+    takes an iterable of parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
+
+    Returns ``(losses, state)``: ``losses[s]`` is a detached 0-dim tensor, the sum of the
+    scaled microbatch losses of step ``s``; ``state`` is ``{fqn: tensor.clone()}`` of the final
+    ``state_dict()`` including buffers.
+    """
+    model = copy.deepcopy(model)
+    n_total = dp * num_microbatches
+    x_mbs = _split_tree(tuple(inputs), dp, num_microbatches)
+    y_mbs = (_split_tree(target, dp, num_microbatches) if loss_fn is not None
+             else [None] * n_total)
+    optimizer = optimizer_factory(model.parameters())
+    optimizer.zero_grad(set_to_none=True)
+    losses: list[torch.Tensor] = []
+    for _ in range(steps):
+        total = None
+        for x_mb, y_mb in zip(x_mbs, y_mbs):
+            out = model(*x_mb)
+            loss = out if loss_fn is None else loss_fn(out, y_mb)
+            scaled = loss / n_total
+            scaled.backward()
+            total = scaled.detach() if total is None else total + scaled.detach()
+        losses.append(total)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, state_copy(model)
+
+
+def assert_close_state(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-6,
+                       ) -> None:
+    """Compare two ``{fqn: tensor}`` dicts key by key (same key sets required).
+
+    Floating tensors: ``|a - e| <= atol + rtol * |e|`` elementwise (NaN/inf must match
+    exactly); integer and bool tensors (e.g. BatchNorm ``num_batches_tracked``) must be equal.
+    Raises AssertionError naming the first mismatching key with its max abs/rel error.
+
+    Why atol = 1e-6: rtol = 1e-5 is the fp32 contract (design.md §5), but a pure relative test
+    fails on entries near zero (zero-initialised biases, a parameter whose update nearly
+    cancels its value), where a different but equally valid summation order — microbatch
+    accumulation, DP all-reduce, a pipeline stage's reduction — leaves an absolute residue of a
+    few fp32 ulps of the *gradient* scale (~1e-7 for O(0.01..1) tensors). 1e-6 absorbs that
+    and is still far below any real bug (a missing microbatch, a doubled or unscaled gradient
+    changes parameters by ~lr * grad, typically >= 1e-4).
+    """
+    missing = [k for k in expected if k not in actual]
+    extra = [k for k in actual if k not in expected]
+    if missing or extra:
+        raise AssertionError(f"state keys differ: missing from actual {missing}, "
+                             f"unexpected in actual {extra}")
+    for key, e in expected.items():
+        a = actual[key]
+        if not isinstance(a, torch.Tensor) or not isinstance(e, torch.Tensor):
+            if a != e:
+                raise AssertionError(f"{key}: {a!r} != {e!r}")
+            continue
+        a = a.detach().to(e.device)
+        e = e.detach()
+        if a.shape != e.shape:
+            raise AssertionError(f"{key}: shape {tuple(a.shape)} != expected {tuple(e.shape)}")
+        if a.dtype != e.dtype:
+            raise AssertionError(f"{key}: dtype {a.dtype} != expected {e.dtype}")
+        if not (e.is_floating_point() or e.is_complex()):
+            if not torch.equal(a, e):
+                diff = (a != e).nonzero()
+                idx = tuple(diff[0].tolist())
+                raise AssertionError(f"{key}: integer tensors differ in {diff.shape[0]} "
+                                     f"entries; first at {idx}: {a[idx].item()} != "
+                                     f"expected {e[idx].item()}")
+            continue
+        nonfinite_ok = torch.equal(torch.isnan(a), torch.isnan(e)) and torch.equal(
+            torch.where(torch.isinf(a), a, torch.zeros_like(a)),
+            torch.where(torch.isinf(e), e, torch.zeros_like(e)))
+        finite = torch.isfinite(e) & torch.isfinite(a)
+        abs_err = torch.where(finite, (a - e).abs(), torch.zeros_like(a))
+        bad = abs_err > atol + rtol * e.abs()
+        if not nonfinite_ok or bool(bad.any()):
+            rel_err = abs_err / e.abs().clamp_min(torch.finfo(e.dtype).tiny)
+            max_abs = abs_err.max().item() if abs_err.numel() else 0.0
+            max_rel = rel_err.max().item() if rel_err.numel() else 0.0
+            n_bad = int(bad.sum())
+            flat = int(bad.reshape(-1).nonzero()[0]) if n_bad else -1
+            where = (f"; first bad flat index {flat}: actual {a.reshape(-1)[flat].item():.9g} "
+                     f"expected {e.reshape(-1)[flat].item():.9g}") if n_bad else ""
+            raise AssertionError(
+                f"{key}: not close (rtol={rtol}, atol={atol}): {n_bad}/{e.numel()} elements off, "
+                f"max abs err {max_abs:.3e}, max rel err {max_rel:.3e}"
+                f"{'; NaN/inf pattern differs' if not nonfinite_ok else ''}{where}")
