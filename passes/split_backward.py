@@ -233,9 +233,13 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         return sorted(set(need), key=order.__getitem__)
 
     # values a region produces that a later region of the same stage reads
-    f_saved = [n for n in sorted(f_nodes, key=order.__getitem__)
-               if any(u in (b_nodes | i_nodes | w_nodes) for u in n.users)]
-    i_saved = [n for n in sorted(i_nodes, key=order.__getitem__) if any(u in w_nodes for u in n.users)]
+    # (with recompute, I and W hold their own copies of forward nodes: those are not saved)
+    # (W reads a value from I when I computed it, even if F computed it too)
+    from_f = {n for region, outs in ((i_nodes, gin_nodes), (w_nodes, gpar_nodes), (b_nodes, gin_nodes + gpar_nodes))
+              for n in used_from_outside(region, outs)
+              if n in f_nodes and not (region is w_nodes and n in i_nodes)}
+    f_saved = sorted(from_f, key=order.__getitem__)
+    i_saved = [n for n in used_from_outside(w_nodes, gpar_nodes) if n in i_nodes]
 
     fwd_keys = [f"out:{nm}" if k < n_act else nm for k, nm in enumerate(out_names)]
     f_prog = _extract(joint, f_nodes, fwd_outs + f_saved, key_of, used_from_outside(f_nodes, fwd_outs),
