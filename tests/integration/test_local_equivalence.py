@@ -67,3 +67,22 @@ def test_recompute_matches_eager():
     for step in range(2):
         torch.testing.assert_close(pm.step(case.inputs, case.target), ref_losses[step], rtol=1e-5, atol=0)
     assert_close_state(pm.state_dict(), ref_state)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zb-h2", "zb-auto", "zbv", "v-half", "v-min", "dualpipev"])
+def test_every_schedule_runs_in_local_mode(schedule):
+    """Local mode runs every schedule of the family (V and interleaved ones: 2 stages per rank)."""
+    from autopar.schedules import default_stages_per_rank
+
+    case = ALL_CASES["gpt"](seed=4)
+    m = 4  # = 2 * pp, what zbv and dualpipev need
+    ref_losses, ref_state = eager_reference(copy.deepcopy(case.model), case.inputs, case.target, case.loss_fn,
+                                            ADAMW, dp=1, num_microbatches=m, steps=2)
+    pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=ADAMW,
+                             plan=autopar.Plan(pp=2, schedule=schedule, num_microbatches=m),
+                             example_target=case.target)
+    assert len(pm.stages) == 2 * default_stages_per_rank(schedule)
+    for step in range(2):
+        torch.testing.assert_close(pm.step(case.inputs, case.target), ref_losses[step], rtol=1e-5, atol=0)
+    assert_close_state(pm.state_dict(), ref_state)
+    assert [list(a) for a in pm.executed_actions] == [[str(x) for x in acts] for acts in pm.schedule.actions]
