@@ -1,0 +1,200 @@
+"""Event-driven replay of a schedule: makespan, bubble, busy time, peak memory, timeline.
+
+Timing model (all times in the caller's unit, e.g. ms):
+
+* every rank runs its actions in order, one at a time; an action starts when the rank is
+  free and its inputs exist: F(s,k) after F(s-1,k); I/B(s,k) after F(s,k) and after
+  I/B(s+1,k); W(s,k) after I(s,k);
+* an input produced on another rank arrives ``p2p_latency + message_bytes[b] / p2p_bandwidth``
+  after it was produced (b = the boundary between stages b and b+1; both directions carry a
+  tensor of that size). Inputs produced on the same rank cost nothing;
+* an F&B overlap unit (``schedule.overlap``, DualPipeV) starts when both halves' inputs exist
+  and both halves finish together after ``fb_ratio * (F + B)``.
+
+Memory model, per rank, in M_B (one microbatch through the rank's share of the model) or in
+bytes when ``stage_bytes`` gives each stage's saved-activation size:
+
+* F of stage s keeps ``act[s]`` alive (``1/v`` M_B for a rank with v stages);
+* I frees the fraction ``i_free_fraction`` of it (default 0.5: what only the input
+  gradient needed), W frees the rest, B frees all of it.
+
+Memory changes only at a rank's own action boundaries, so the peak depends on the order and
+not on the timing; frees at an instant are applied before allocations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autopar.schedules.costs import Costs, activation_units, as_costs
+from autopar.schedules.ir import B, F, I, W, Action, Schedule
+
+
+@dataclass(frozen=True)
+class SimResult:
+    makespan: float
+    bubble_fraction: float  # 1 - sum(busy) / (pp * makespan)
+    busy: tuple[float, ...]  # per rank: time spent computing
+    peak_memory: tuple[float, ...]  # per rank, in ``memory_unit``
+    memory_unit: str  # "M_B" or "bytes"
+    timeline: tuple[tuple[int, Action, float, float], ...]  # (rank, action, start, end), by rank then order
+
+    @property
+    def idle(self) -> tuple[float, ...]:
+        return tuple(self.makespan - b for b in self.busy)
+
+    @property
+    def max_peak_memory(self) -> float:
+        return max(self.peak_memory)
+
+
+def peak_memory(schedule: Schedule, stage_bytes: Sequence[float] | None = None,
+                i_free_fraction: float = 0.5) -> tuple[float, ...]:
+    """Per-rank peak activation memory of ``schedule`` (see the module docstring)."""
+    if not 0.0 <= i_free_fraction <= 1.0:
+        raise ValueError(f"i_free_fraction must be in [0, 1], got {i_free_fraction}")
+    act = activation_units(schedule.stage_to_rank, stage_bytes)
+    peaks = []
+    for acts in schedule.actions:
+        mem = peak = 0.0
+        # An F&B overlap unit is (F, B) in program order: the F's memory is live before the B
+        # half releases its own, so walking the order gives the unit's peak too.
+        for a in acts:
+            s = a.stage
+            if a.type == F:
+                mem += act[s]
+                peak = max(peak, mem)
+            elif a.type == I:
+                mem -= act[s] * i_free_fraction
+            elif a.type == W:
+                mem -= act[s] * (1.0 - i_free_fraction)
+            elif a.type == B:
+                mem -= act[s]
+        peaks.append(peak)
+    return tuple(peaks)
+
+
+def comm_delays(num_stages: int, p2p_latency: float, p2p_bandwidth: float | None,
+                message_bytes: Sequence[float] | None) -> tuple[float, ...]:
+    """Transfer time across boundary b (stage b -> b+1 forward, b+1 -> b backward)."""
+    if p2p_latency < 0:
+        raise ValueError(f"p2p_latency must be >= 0, got {p2p_latency}")
+    delays = [float(p2p_latency)] * max(num_stages - 1, 0)
+    if p2p_bandwidth is not None:
+        if p2p_bandwidth <= 0:
+            raise ValueError(f"p2p_bandwidth must be > 0, got {p2p_bandwidth}")
+        if message_bytes is None:
+            raise ValueError("p2p_bandwidth needs message_bytes (size of the tensor crossing each stage boundary, "
+                             f"{num_stages - 1} entries)")
+        if len(message_bytes) not in (num_stages - 1, num_stages):
+            raise ValueError(f"message_bytes: {len(message_bytes)} entries, expected {num_stages - 1} "
+                             "(one per stage boundary)")
+        delays = [d + float(message_bytes[b]) / p2p_bandwidth for b, d in enumerate(delays)]
+    return tuple(delays)
+
+
+def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandwidth: float | None = None,
+             stage_bytes: Sequence[float] | None = None, *, message_bytes: Sequence[float] | None = None,
+             i_free_fraction: float = 0.5) -> SimResult:
+    """Replay ``schedule`` with ``costs`` (per-rank (F, I, W[, B]), a ``Costs``, or None = unit).
+
+    Raises ValueError if the order cannot complete (an action waits on one that never runs);
+    ``validate()`` explains such schedules in more detail.
+    """
+    c: Costs = as_costs(costs, schedule.stage_to_rank)
+    S, pp = schedule.num_stages, schedule.pp
+    delay = comm_delays(S, p2p_latency, p2p_bandwidth, message_bytes)
+    owner = schedule.stage_to_rank
+    # (stage, kind, mb) -> time the result exists on its own rank; kind "F" or "G" (input grad).
+    done: dict[tuple[int, str, int], float] = {}
+
+    def ready(a: Action) -> float | None:
+        """Earliest time ``a``'s inputs exist on its rank, or None if some input is not produced yet."""
+        s, k = a.stage, a.microbatch
+        t = 0.0
+        if a.type == F:
+            if s > 0:
+                e = done.get((s - 1, "F", k))
+                if e is None:
+                    return None
+                t = e + (delay[s - 1] if owner[s - 1] != owner[s] else 0.0)
+        elif a.type in (I, B):
+            e = done.get((s, "F", k))
+            if e is None:
+                return None
+            t = e
+            if s < S - 1:
+                g = done.get((s + 1, "G", k))
+                if g is None:
+                    return None
+                t = max(t, g + (delay[s] if owner[s + 1] != owner[s] else 0.0))
+        elif a.type == W:
+            e = done.get((s, "I", k))
+            if e is None:
+                return None
+            t = e
+        else:
+            raise ValueError(f"simulate takes compute actions only (F, I, W, B), got {a}; simulate before lower()")
+        return t
+
+    def finish(a: Action, end: float) -> None:
+        s, k = a.stage, a.microbatch
+        if a.type == F:
+            done[(s, "F", k)] = end
+        elif a.type == I:
+            done[(s, "G", k)] = end
+            done[(s, "I", k)] = end
+        elif a.type == B:
+            done[(s, "G", k)] = end
+
+    free = [0.0] * pp
+    busy = [0.0] * pp
+    pos = [0] * pp
+    ovl = [schedule.overlaps(r) for r in range(pp)]
+    rows: list[list[tuple[int, Action, float, float]]] = [[] for _ in range(pp)]
+    remaining = sum(len(a) for a in schedule.actions)
+    while remaining:
+        progressed = False
+        for r in range(pp):
+            acts = schedule.actions[r]
+            while pos[r] < len(acts):
+                a = acts[pos[r]]
+                if pos[r] in ovl[r]:
+                    b = acts[pos[r] + 1]
+                    ta, tb = ready(a), ready(b)
+                    if ta is None or tb is None:
+                        break
+                    start = max(free[r], ta, tb)
+                    dur = c.fb_ratio * (c.of(a.type, a.stage) + c.of(b.type, b.stage))
+                    end = start + dur
+                    finish(a, end)
+                    finish(b, end)
+                    rows[r].append((r, a, start, end))
+                    rows[r].append((r, b, start, end))
+                    step = 2
+                else:
+                    t = ready(a)
+                    if t is None:
+                        break
+                    start = max(free[r], t)
+                    dur = c.of(a.type, a.stage)
+                    end = start + dur
+                    finish(a, end)
+                    rows[r].append((r, a, start, end))
+                    step = 1
+                free[r] = end
+                busy[r] += dur
+                pos[r] += step
+                remaining -= step
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in range(pp)
+                              if pos[r] < len(schedule.actions[r]))
+            raise ValueError(f"schedule {schedule.name} cannot complete: every rank waits ({stuck}); "
+                             "run validate() for the broken dependency")
+    makespan = max(free) if pp else 0.0
+    bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
+    unit = "bytes" if stage_bytes is not None else "M_B"
+    return SimResult(makespan=makespan, bubble_fraction=bubble, busy=tuple(busy),
+                     peak_memory=peak_memory(schedule, stage_bytes, i_free_fraction), memory_unit=unit,
+                     timeline=tuple(x for row in rows for x in row))
