@@ -9,6 +9,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.nn as nn
@@ -30,14 +31,17 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
     for the first ``step`` (a loss_fn needs a target to be traced).
     """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        raise NotImplementedError("autopar: distributed execution (inside an initialized process group) is not "
-                                  "available yet; call parallelize without a process group to use local mode")
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
     plan = plan or Plan(pp=1)
+    if _distributed():
+        world = torch.distributed.get_world_size()
+        if plan.world_size != world:
+            # raised on every rank, before any communication
+            raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
+                             f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
     pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan)
     if loss_fn is None or example_target is not None:
         pm._build(tuple(example_inputs), example_target)
@@ -66,8 +70,10 @@ class ParallelModel:
         self.plan = plan
         self._example_inputs = example_inputs
         self._params = _unique_params(model)
-        self.optimizer = optimizer(list(self._params.values())) if optimizer is not None else None
+        self._optimizer_factory = optimizer
+        self.optimizer = None  # made at build time, over the parameters this rank trains
         self._built: _Built | None = None
+        self.timeout = timedelta(seconds=float(os.environ.get("AUTOPAR_TIMEOUT", "300")))
 
     # -- building ---------------------------------------------------------------------------
 
@@ -112,7 +118,21 @@ class ParallelModel:
             state[f"buffer:{fqn}"] = b
         for name, c in captured.constants.items():
             state[f"const:{name}"] = c
-        executor = LocalPipeline(programs, schedule, state, self._params)
+        if _distributed():
+            from autopar.runtime.distributed import DistributedPipeline, build_mesh
+
+            lowered = schedules.lower(schedule)
+            mesh = build_mesh(plan.pp, plan.dp, programs, schedule.stage_to_rank, self.timeout)
+            device = next(iter(self._params.values())).device
+            executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device)
+            trained = [self._params[f] for f in executor.my_params]
+            log.info("autopar: rank %d is pp rank %d, dp rank %d, stages %s", mesh.rank, mesh.pp_rank, mesh.dp_rank,
+                     executor.my_stages)
+        else:
+            executor = LocalPipeline(programs, schedule, state, self._params)
+            trained = [p for p in self._params.values() if p.requires_grad]
+        if self._optimizer_factory is not None:
+            self.optimizer = self._optimizer_factory(trained)
         self._built = _Built(captured, stages, programs, schedule, executor, mb, m,
                              tuple(x.shape[1:] for x in inputs), None if target is None else target.shape[1:])
 
@@ -140,7 +160,9 @@ class ParallelModel:
         for p in self._params.values():
             p.grad = None
         total = None
-        for replica in range(plan.dp):
+        mesh = getattr(b.executor, "mesh", None)
+        replicas = [mesh.dp_rank] if mesh is not None else range(plan.dp)
+        for replica in replicas:
             mbs = []
             for k in range(b.num_microbatches):
                 lo = (replica * b.num_microbatches + k) * b.microbatch_size
@@ -154,7 +176,30 @@ class ParallelModel:
     # -- state ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Full tensors under the original FQNs (tied parameters under every name)."""
+        """Full tensors under the original FQNs (tied parameters under every name).
+
+        In distributed mode every rank gets every tensor: each parameter and buffer comes from
+        the pipeline rank that holds it (buffers from this process's dp replica).
+        """
+        b = self._built
+        mesh = getattr(b.executor, "mesh", None) if b is not None else None
+        if mesh is not None and mesh.pp > 1:
+            from autopar.runtime import comms
+
+            owners = {}
+            for prog in b.programs:
+                r = b.schedule.stage_to_rank[prog.stage.index]
+                for fqn in prog.stage.params + prog.stage.buffers:
+                    owners.setdefault(fqn, r)
+            canonical = {}
+            for names in b.captured.aliases.values():
+                for n in names:
+                    canonical[n] = names[0]
+            with torch.no_grad():
+                for fqn, t in self.model.state_dict(keep_vars=True).items():
+                    owner = owners.get(canonical.get(fqn, fqn))
+                    if owner is not None:
+                        comms.broadcast(t.data, src=mesh.global_rank(owner), group=mesh.pp_group)
         return self.model.state_dict()
 
     def load_state_dict(self, state_dict, strict: bool = True):
@@ -176,8 +221,9 @@ class ParallelModel:
         return self._built.schedule
 
     @property
-    def executed_actions(self) -> list[list[str]]:
-        """Per rank, the compute actions of the last step in the order they ran."""
+    def executed_actions(self) -> list[list[str]] | list[str]:
+        """The compute actions of the last step in the order they ran: per rank in local mode,
+        this rank's list in distributed mode."""
         self._require_built("executed_actions")
         return self._built.executor.executed
 
@@ -199,6 +245,10 @@ class ParallelModel:
         if self._built is None:
             raise RuntimeError(f"autopar: {what} needs the captured program; pass example_target= to parallelize "
                                "or run one step first")
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _unique_params(model: nn.Module) -> dict[str, nn.Parameter]:

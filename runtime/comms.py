@@ -1,0 +1,66 @@
+"""Every collective and P2P call autopar makes, in one place.
+
+P2P messages carry a tag derived from (sending stage, microbatch, direction, tensor index), so
+a receive can never pick up another message between the same two ranks (gloo matches by
+tag; NCCL ignores tags and relies on both sides issuing in the same order, which the
+lowered schedule's send/recv placement gives per pair of ranks).
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_MAX_TENSORS = 256  # tensors crossing one stage boundary (tag space per message)
+
+
+def p2p_tag(send_stage: int, microbatch: int, backward: bool, index: int, num_microbatches: int) -> int:
+    assert index < _MAX_TENSORS, f"more than {_MAX_TENSORS} tensors cross one stage boundary"
+    return ((send_stage * num_microbatches + microbatch) * 2 + int(backward)) * _MAX_TENSORS + index
+
+
+class PendingRecv:
+    """Posted receives for one message; ``wait()`` returns the tensors by name."""
+
+    def __init__(self, works, buffers: dict[str, torch.Tensor], peer: int, what: str):
+        self.works, self.buffers, self.peer, self.what = works, buffers, peer, what
+
+    def wait(self, timeout: timedelta) -> dict[str, torch.Tensor]:
+        for w in self.works:
+            w.wait(timeout)
+        return self.buffers
+
+
+def irecv(buffers: dict[str, torch.Tensor], peer: int, tags: list[int], group=None, what: str = "") -> PendingRecv:
+    works = [dist.irecv(t, src=peer, tag=tag, group=group) for t, tag in zip(buffers.values(), tags)]
+    return PendingRecv(works, buffers, peer, what)
+
+
+def isend(tensors: list[torch.Tensor], peer: int, tags: list[int], group=None) -> list:
+    """Start sends; the caller keeps the returned (work, tensor) pairs alive until they finish."""
+    out = []
+    for t, tag in zip(tensors, tags):
+        t = t.contiguous()
+        out.append((dist.isend(t, dst=peer, tag=tag, group=group), t))
+    return out
+
+
+def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None):
+    return dist.broadcast(tensor, src=src, group=group)
+
+
+def new_group(ranks: list[int], timeout: timedelta | None = None):
+    return dist.new_group(ranks=ranks, timeout=timeout)
+
+
+def barrier(group=None):
+    return dist.barrier(group=group)
+
+
+def world() -> tuple[int, int]:
+    return dist.get_rank(), dist.get_world_size()

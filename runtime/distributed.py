@@ -1,0 +1,215 @@
+"""Distributed mode: this process runs its pipeline rank's lowered action list.
+
+Mesh: global rank = dp_rank * pp + pp_rank (the ranks of one pipeline replica are
+contiguous). Activations and gradients move by tagged isend/irecv; a receive is posted where
+the lowered schedule puts its RECV and waited on just before the compute that reads it;
+sends complete in the background and are waited on at the end of the step. After the last
+action: tied parameters' gradients are summed over the pipeline ranks that hold them, then
+every gradient is summed over the dp replicas (each microbatch loss was already scaled by
+1/(dp*m), so the sum is the average: divided once).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+
+from autopar.passes.split_backward import LOSS, StageProgram
+
+from . import comms
+from .stage_work import StageWork
+
+
+@dataclass
+class Mesh:
+    pp: int
+    dp: int
+    rank: int
+    pp_group: object = None
+    dp_group: object = None
+    tied_groups: dict = field(default_factory=dict)  # canonical fqn -> group of the pp ranks holding it
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.pp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.pp
+
+    def global_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline rank `pp_rank` in this process's replica."""
+        return self.dp_rank * self.pp + pp_rank
+
+
+def build_mesh(pp: int, dp: int, programs: list[StageProgram], stage_to_rank, timeout: timedelta) -> Mesh:
+    """Create every process group (all ranks call this in the same order)."""
+    rank, world = comms.world()
+    assert pp * dp == world, (pp, dp, world)
+    mesh = Mesh(pp=pp, dp=dp, rank=rank)
+    for d in range(dp):
+        ranks = [d * pp + r for r in range(pp)]
+        g = comms.new_group(ranks, timeout) if pp > 1 else None
+        if d == mesh.dp_rank:
+            mesh.pp_group = g
+    for r in range(pp):
+        ranks = [d * pp + r for d in range(dp)]
+        g = comms.new_group(ranks, timeout) if dp > 1 else None
+        if r == mesh.pp_rank:
+            mesh.dp_group = g
+    holders: dict[str, set[int]] = {}
+    for prog in programs:
+        for fqn in prog.grad_params:
+            holders.setdefault(fqn, set()).add(stage_to_rank[prog.stage.index])
+    for fqn in sorted(holders):
+        owners = sorted(holders[fqn])
+        if len(owners) < 2:
+            continue
+        for d in range(dp):
+            g = comms.new_group([d * pp + r for r in owners], timeout)
+            if d == mesh.dp_rank and mesh.pp_rank in owners:
+                mesh.tied_groups[fqn] = g
+    return mesh
+
+
+class PeerTimeout(RuntimeError):
+    pass
+
+
+class DistributedPipeline:
+    """Runs this rank's lowered actions; same results as LocalPipeline for the same schedule."""
+
+    def __init__(self, programs: list[StageProgram], schedule, lowered, state: dict,
+                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device):
+        self.programs = programs
+        self.schedule = schedule
+        self.lowered = lowered
+        self.mesh = mesh
+        self.timeout = timeout
+        self.device = device
+        self.owner = schedule.stage_to_rank
+        self.my_stages = [s for s in range(schedule.num_stages) if self.owner[s] == mesh.pp_rank]
+        self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state, params)
+        self.params = params
+        self.my_params = sorted({f for s in self.my_stages for f in programs[s].grad_params})
+        self.executed: list[str] = []
+        self.position = "not started"
+        self.step_index = 0
+        self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
+        self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+        work, owner, me, S = self.work, self.owner, self.mesh.pp_rank, self.schedule.num_stages
+        M = self.schedule.num_microbatches
+        work.begin(microbatches, loss_scale)
+        pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
+        sends: list = []
+        self.executed = []
+        for a in self.lowered.actions[me]:
+            s, k, t = a.stage, a.microbatch, a.type
+            self.position = f"step {self.step_index}, action {a}"
+            if t == "RECV_F":
+                peer = self.mesh.global_rank(owner[s - 1])
+                bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
+                tags = [comms.p2p_tag(s - 1, k, False, i, M) for i in range(len(bufs))]
+                pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations of {s - 1}F{k}")
+            elif t == "RECV_B":
+                peer = self.mesh.global_rank(owner[s + 1])
+                bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
+                tags = [comms.p2p_tag(s + 1, k, True, i, M) for i in range(len(bufs))]
+                pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients of {s + 1}B{k}")
+            elif t == "SEND_F":
+                outs = work.take_outputs(s, k)
+                names = self.programs[s + 1].stage.inputs
+                tags = [comms.p2p_tag(s, k, False, i, M) for i in range(len(names))]
+                sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(owner[s + 1]), tags)
+            elif t == "SEND_B":
+                gin = work.take_input_grads(s, k)
+                names = self.programs[s - 1].diff_outputs
+                tags = [comms.p2p_tag(s, k, True, i, M) for i in range(len(names))]
+                sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(owner[s - 1]), tags)
+            elif t == "F":
+                if s > 0 and owner[s - 1] != me:
+                    work.put_inputs(s, k, self._wait(pending.pop(("F", s, k))))
+                work.forward(s, k)
+                if s + 1 == S:
+                    work.take_outputs(s, k)
+                elif owner[s + 1] == me:
+                    work.put_inputs(s + 1, k, work.take_outputs(s, k))
+                self.executed.append(str(a))
+            elif t in ("I", "B"):
+                if s + 1 < S and owner[s + 1] != me:
+                    work.put_grads(s, k, self._wait(pending.pop(("B", s, k))))
+                (work.input_grads if t == "I" else work.full_backward)(s, k)
+                if s == 0:
+                    work.take_input_grads(s, k)
+                elif owner[s - 1] == me:
+                    work.put_grads(s - 1, k, work.take_input_grads(s, k))
+                self.executed.append(str(a))
+            elif t == "W":
+                work.weight_grads(s, k)
+                self.executed.append(str(a))
+            else:
+                raise ValueError(f"autopar: unknown action {a}")
+        assert not pending, f"receives never consumed: {sorted(pending)}"
+        self.position = f"step {self.step_index}, waiting for sends to finish"
+        for w, _t in sends:
+            w.wait(self.timeout)
+        self.position = f"step {self.step_index}, gradient reduction"
+        self._sync_grads()
+        loss = self._broadcast_loss(work.total_loss())
+        self.position = f"step {self.step_index} done"
+        self.step_index += 1
+        return loss
+
+    def _wait(self, recv: comms.PendingRecv) -> dict[str, torch.Tensor]:
+        t0 = time.monotonic()
+        try:
+            return recv.wait(self.timeout)
+        except RuntimeError as e:
+            waited = time.monotonic() - t0
+            peer_pp = recv.peer % self.mesh.pp
+            raise PeerTimeout(
+                f"autopar rank {self.mesh.rank} (pp rank {self.mesh.pp_rank}, dp rank {self.mesh.dp_rank}) at "
+                f"{self.position}: no {recv.what} from rank {recv.peer} (pp rank {peer_pp}) after {waited:.1f}s; "
+                f"that rank died or is stuck. ({str(e).splitlines()[0][:200]})") from e
+
+    # -- gradient and loss reduction --------------------------------------------------------------
+
+    def _sync_grads(self) -> None:
+        for fqn, group in self.mesh.tied_groups.items():
+            p = self.params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            comms.all_reduce_sum(p.grad, group=group)
+        if self.mesh.dp > 1:
+            for fqn in self.my_params:
+                p = self.params[fqn]
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                comms.all_reduce_sum(p.grad, group=self.mesh.dp_group)
+
+    def _broadcast_loss(self, local: torch.Tensor | None) -> torch.Tensor:
+        last_rank = self.owner[-1]
+        loss = local if local is not None else torch.zeros((), dtype=torch.float32, device=self.device)
+        loss = loss.clone()
+        if self.mesh.pp > 1:
+            comms.broadcast(loss, src=self.mesh.global_rank(last_rank), group=self.mesh.pp_group)
+        if self.mesh.dp > 1:
+            comms.all_reduce_sum(loss, group=self.mesh.dp_group)
+        return loss
+
+
+def _input_specs(prog: StageProgram) -> dict[str, tuple]:
+    phs = {n.name: n for n in prog.stage.gm.graph.nodes if n.op == "placeholder"}
+    return {name: (tuple(phs[name].meta["val"].shape), phs[name].meta["val"].dtype) for name in prog.stage.inputs}
+
+
+def _grad_specs(prog: StageProgram) -> dict[str, tuple]:
+    out = next(n for n in prog.stage.gm.graph.nodes if n.op == "output")
+    vals = {name: node.meta["val"] for name, node in zip(prog.stage.outputs, out.args[0])}
+    return {name: (tuple(vals[name].shape), vals[name].dtype) for name in prog.diff_outputs if name != LOSS}

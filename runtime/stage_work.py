@@ -1,0 +1,126 @@
+"""The compute side of one step, shared by the local and the distributed executors.
+
+``StageWork`` owns one env dict per (stage, microbatch) and runs the F/I/W/B programs on it.
+Executors only decide *when* each action runs and how activations and gradients move
+between stages (in-process hand-off or P2P): they deposit received values with
+``put_inputs``/``put_grads`` and take values to send with ``take_outputs``/``take_input_grads``.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.passes.split_backward import LOSS, StageProgram, grad_key, input_key
+
+
+class StageWork:
+    def __init__(self, programs: dict[int, StageProgram], num_stages: int, state: dict,
+                 params: dict[str, torch.nn.Parameter]):
+        self.programs = programs  # stage index -> program (a rank holds some of the stages)
+        self.num_stages = num_stages
+        self.state = state
+        self.params = params
+        self.envs: dict[tuple[int, int], dict] = {}
+        self.losses: dict[int, torch.Tensor] = {}
+        self._scale = None
+
+    def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> None:
+        """Start a step: data keys for every held stage and microbatch, the loss tangent."""
+        self.envs = {}
+        self.losses = {}
+        self._loss_scale = loss_scale
+        self._scale = None
+        for k, mb in enumerate(microbatches):
+            for s, prog in self.programs.items():
+                self.envs[s, k] = {f"data:{name}": mb[name] for name in prog.stage.data}
+
+    # -- compute ---------------------------------------------------------------------------
+
+    def forward(self, s: int, k: int) -> None:
+        prog, env = self.programs[s], self.envs[s, k]
+        prog.f(env, self.state)
+        for fqn in prog.stage.buffer_updates:
+            with torch.no_grad():
+                self.state[f"buffer:{fqn}"].copy_(env.pop(f"update:{fqn}"))
+        if prog.stage.has_loss:
+            loss = env.pop(LOSS)
+            self.losses[k] = loss
+            if self._scale is None:
+                self._scale = torch.full((), self._loss_scale, dtype=loss.dtype, device=loss.device)
+            env[grad_key(LOSS)] = self._scale
+        outputs = {name: env.pop(f"out:{name}") for name in prog.stage.outputs}
+        _release(env, prog.keys_after("F"))
+        env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
+
+    def input_grads(self, s: int, k: int) -> None:
+        prog, env = self.programs[s], self.envs[s, k]
+        prog.i(env, self.state)
+        gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
+        _release(env, prog.keys_after("I") | {"__outputs__"})
+        env["__gin__"] = gin
+
+    def weight_grads(self, s: int, k: int) -> None:
+        prog, env = self.programs[s], self.envs[s, k]
+        prog.w(env, self.state)
+        self._accumulate(prog, env)
+        _release(env, frozenset({"__gin__", "__outputs__"}))
+
+    def full_backward(self, s: int, k: int) -> None:
+        prog, env = self.programs[s], self.envs[s, k]
+        prog.b(env, self.state)
+        gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
+        self._accumulate(prog, env)
+        _release(env, frozenset({"__outputs__"}))
+        env["__gin__"] = gin
+
+    def _accumulate(self, prog: StageProgram, env: dict) -> None:
+        for fqn in prog.grad_params:
+            g = env.pop(f"gparam:{fqn}")
+            p = self.params[fqn]
+            if p.grad is None:
+                p.grad = g.detach().clone(memory_format=torch.contiguous_format)
+            else:
+                p.grad.add_(g)
+
+    # -- moving values -----------------------------------------------------------------------
+
+    def take_outputs(self, s: int, k: int) -> dict[str, torch.Tensor]:
+        return self.envs[s, k].pop("__outputs__")
+
+    def take_input_grads(self, s: int, k: int) -> dict[str, torch.Tensor]:
+        return self.envs[s, k].pop("__gin__")
+
+    def put_inputs(self, s: int, k: int, values: dict[str, torch.Tensor]) -> None:
+        strides = self.programs[s].input_strides
+        env = self.envs[s, k]
+        for name, t in values.items():
+            env[input_key(name)] = with_strides(t, strides[name])
+
+    def put_grads(self, s: int, k: int, values: dict[str, torch.Tensor]) -> None:
+        env = self.envs[s, k]
+        for name, g in values.items():
+            env[grad_key(name)] = g.contiguous()
+
+    def total_loss(self) -> torch.Tensor | None:
+        """Sum over microbatches of loss * scale, in microbatch order (None off the last stage)."""
+        if not self.losses:
+            return None
+        total = None
+        for k in sorted(self.losses):
+            term = self.losses[k] * self._loss_scale
+            total = term if total is None else total + term
+        return total.detach()
+
+
+def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
+    """`t` in the memory layout the receiving stage was traced with (a copy only if it differs)."""
+    if t.stride() == strides or t.numel() <= 1:
+        return t
+    out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+def _release(env: dict, keep: frozenset[str]) -> None:
+    """Drop every key of a microbatch env that no later program of that microbatch reads."""
+    for key in [key for key in env if key not in keep]:
+        del env[key]
