@@ -14,8 +14,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autopar", description="graph-capture auto-parallelizer for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("schedule", help="print, simulate and export pipeline schedules (autopar schedule --help)")
-    demo = sub.add_parser("demo", help="capture examples/gpt, split it, train a few steps, compare with eager")
+    demo = sub.add_parser("demo", help="capture examples/gpt, split it, train a few steps on CPU processes, "
+                                       "compare with eager")
     _model_args(demo)
+    demo.add_argument("--nproc", type=int, default=2,
+                      help="CPU processes (gloo), launched by torch's elastic launcher; 1 = local mode, every "
+                           "rank in this process (default 2)")
     demo.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     demo.add_argument("--lr", type=float, default=1e-3)
     insp = sub.add_parser("inspect", help="write every stage's F/I/W/B code and the stage table to a directory")
@@ -39,7 +43,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (default 2)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: --nproc, or 2 in local mode)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
     p.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see autopar schedule --list)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: schedule's choice)")
     p.add_argument("--stages-per-rank", type=int, default=None)

@@ -1,27 +1,49 @@
-"""`autopar demo` and `autopar inspect` on examples/gpt (local mode: every rank in this process)."""
+"""`autopar demo` and `autopar inspect` on examples/gpt.
+
+The demo trains with a fixed plan on ``--nproc`` CPU processes (gloo, started by torch's
+elastic launcher), or in local mode with ``--nproc 1``, then trains the same model in one
+eager process with the same microbatches and says whether every loss matches.
+"""
 from __future__ import annotations
 
 import copy
 import functools
 import logging
+import os
 import time
+import uuid
 
 
-def _build(args):
-    import torch
-
-    import autopar
+def _model(args):
     from autopar.examples.gpt import make_gpt
 
     n_head = 4 if args.d_model % 4 == 0 else 1
-    model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=n_head,
-                                              seq_len=args.seq, batch_size=args.batch, seed=0)
-    plan = autopar.Plan(pp=args.pp, schedule=args.schedule, num_microbatches=args.microbatches,
+    return make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=n_head, seq_len=args.seq,
+                    batch_size=args.batch, seed=0)
+
+
+def _plan(args):
+    import autopar
+
+    pp = args.pp or (max(1, args.nproc // args.dp) if getattr(args, "nproc", 1) > 1 else 2)
+    return autopar.Plan(pp=pp, dp=args.dp, schedule=args.schedule, num_microbatches=args.microbatches,
                         stages_per_rank=args.stages_per_rank)
+
+
+def _optimizer(args):
+    import torch
+
+    return functools.partial(torch.optim.AdamW, lr=getattr(args, "lr", 1e-3))
+
+
+def _build(args):
+    import autopar
+
+    model, inputs, target, loss_fn = _model(args)
     eager_model = copy.deepcopy(model)
-    opt = functools.partial(torch.optim.AdamW, lr=getattr(args, "lr", 1e-3))
-    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, example_target=target)
-    return pm, eager_model, inputs, target, loss_fn, opt
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=_optimizer(args), plan=_plan(args),
+                             example_target=target)
+    return pm, eager_model, inputs, target, loss_fn
 
 
 def _eager_losses(model, inputs, target, loss_fn, opt_factory, n_micro: int, steps: int) -> list[float]:
@@ -41,38 +63,77 @@ def _eager_losses(model, inputs, target, loss_fn, opt_factory, n_micro: int, ste
     return out
 
 
+def _train(args) -> dict:
+    """Build and train; in a launched worker this runs on every rank."""
+    import torch
+
+    torch.set_num_threads(1)  # tiny ops: one thread is fastest, two spin-wait on a busy 2-core box
+    t0 = time.perf_counter()
+    pm, _eager, inputs, target, _loss_fn = _build(args)
+    built = time.perf_counter() - t0
+    losses, times = [], []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        losses.append(float(pm.step(inputs, target)))
+        times.append(time.perf_counter() - t)
+    b = pm._built
+    return {"losses": losses, "times": times, "built_s": built, "plan": pm.plan.table(),
+            "stage_table": pm.stage_table(), "microbatches": b.num_microbatches, "mb_size": b.microbatch_size,
+            "tokens": inputs[0].numel()}
+
+
+def _worker(args) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    try:
+        return _train(args)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_demo(args) -> int:
     import torch
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    # Tiny ops: one thread each is fastest, and two threads on a busy 2-core machine spin-wait.
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    pm, eager_model, inputs, target, loss_fn, opt = _build(args)
-    b = pm._built
-    print(f"\nplan (local mode: all {pm.plan.pp} ranks run in this process; "
-          f"microbatches of {b.microbatch_size} samples):\n{pm.plan.table()}\n")
-    print(pm.stage_table())
-    print(f"\nbuilt in {time.perf_counter() - t0:.1f}s; training {args.steps} steps\n")
-    ours = []
-    tokens = inputs[0].numel()
+    plan = _plan(args)
+    if args.nproc > 1:
+        if plan.world_size != args.nproc:
+            raise ValueError(f"--nproc {args.nproc} but the plan needs pp*dp = {plan.pp}*{plan.dp} = {plan.world_size} "
+                             "processes; make them agree")
+        from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+        print(f"autopar demo: launching {args.nproc} gloo processes (torch elastic launcher)")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
+                              rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+                              start_method="spawn")
+        results = elastic_launch(config, _worker)(args)
+        res = results[0]
+        mode = f"{args.nproc} processes"
+    else:
+        res = _train(args)
+        mode = "local mode: every rank in this process"
+    print(f"\nplan ({mode}; microbatches of {res['mb_size']} samples):\n{res['plan']}\n")
+    print(res["stage_table"])
+    print(f"\nbuilt in {res['built_s']:.1f}s; trained {args.steps} steps\n")
+    model, inputs, target, loss_fn = _model(args)
+    eager = _eager_losses(model, inputs, target, loss_fn, _optimizer(args), res["microbatches"] * plan.dp, args.steps)
     print(f"{'step':>4}  {'autopar loss':>13}  {'eager loss':>11}  {'rel diff':>9}  {'tokens/s':>9}")
-    eager = _eager_losses(eager_model, inputs, target, loss_fn, opt, b.num_microbatches, args.steps)
-    for step in range(args.steps):
-        t = time.perf_counter()
-        loss = float(pm.step(inputs, target))
-        dt = time.perf_counter() - t
-        ours.append(loss)
-        rel = abs(loss - eager[step]) / max(abs(eager[step]), 1e-30)
-        print(f"{step:>4}  {loss:>13.6f}  {eager[step]:>11.6f}  {rel:>9.2e}  {tokens / dt:>9.0f}")
-    worst = max(abs(a - e) / max(abs(e), 1e-30) for a, e in zip(ours, eager))
+    for step, (loss, dt, ref) in enumerate(zip(res["losses"], res["times"], eager)):
+        rel = abs(loss - ref) / max(abs(ref), 1e-30)
+        print(f"{step:>4}  {loss:>13.6f}  {ref:>11.6f}  {rel:>9.2e}  {res['tokens'] / dt:>9.0f}")
+    worst = max(abs(a - e) / max(abs(e), 1e-30) for a, e in zip(res["losses"], eager))
     ok = worst <= 1e-5
-    print(f"\nlosses {'match' if ok else 'DO NOT match'} eager PyTorch (worst relative difference {worst:.2e}, "
-          f"tolerance 1e-5)")
+    print(f"\nlosses {'match' if ok else 'DO NOT match'} single-process eager PyTorch (worst relative difference "
+          f"{worst:.2e}, tolerance 1e-5); {time.perf_counter() - t0:.0f}s in all")
     return 0 if ok else 1
 
 
 def run_inspect(args) -> int:
+    args.nproc = 1
     pm, *_ = _build(args)
     paths = pm.dump(args.out)
     print(pm.stage_table())
