@@ -20,7 +20,7 @@ log = logging.getLogger("autopar")
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
-                example_target=None) -> "ParallelModel":
+                example_target=None, timeout: float | None = None, generated: bool = True) -> "ParallelModel":
     """Parallelize ``model`` for training.
 
     ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
@@ -30,6 +30,9 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``plan``: an ``autopar.Plan``; None means a single stage (pp=1).
     ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
     for the first ``step`` (a loss_fn needs a target to be traced).
+    ``timeout``: seconds a rank waits for a peer before reporting where every rank was
+    (default: $AUTOPAR_TIMEOUT or 300). ``generated=False`` runs the per-rank action lists with
+    the interpreter instead of the generated straight-line programs (same results).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -42,7 +45,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
             # raised on every rank, before any communication
             raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
                              f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
-    pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan)
+    pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan, timeout=timeout, generated=generated)
     if loss_fn is None or example_target is not None:
         pm._build(tuple(example_inputs), example_target)
     return pm
@@ -64,7 +67,8 @@ class _Built:
 class ParallelModel:
     """A model split into pipeline stages with F/I/W programs, trained by ``step``."""
 
-    def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan):
+    def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan,
+                 timeout: float | None = None, generated: bool = True):
         self.model = model
         self.loss_fn = loss_fn
         self.plan = plan
@@ -73,7 +77,8 @@ class ParallelModel:
         self._optimizer_factory = optimizer
         self.optimizer = None  # made at build time, over the parameters this rank trains
         self._built: _Built | None = None
-        self.timeout = timedelta(seconds=float(os.environ.get("AUTOPAR_TIMEOUT", "300")))
+        self.timeout = timedelta(seconds=float(timeout if timeout is not None else os.environ.get("AUTOPAR_TIMEOUT", "300")))
+        self.generated = generated
 
     # -- building ---------------------------------------------------------------------------
 
@@ -125,6 +130,11 @@ class ParallelModel:
             mesh = build_mesh(plan.pp, plan.dp, programs, schedule.stage_to_rank, self.timeout)
             device = next(iter(self._params.values())).device
             executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device)
+            if self.generated:
+                from autopar.runtime.codegen import compile_step, generate_source
+
+                src = generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank, mesh.pp_rank)
+                executor.program = compile_step(src)
             trained = [self._params[f] for f in executor.my_params]
             log.info("autopar: rank %d is pp rank %d, dp rank %d, stages %s", mesh.rank, mesh.pp_rank, mesh.dp_rank,
                      executor.my_stages)
@@ -239,7 +249,20 @@ class ParallelModel:
 
         self._require_built("dump")
         os.makedirs(directory, exist_ok=True)
-        return dump_programs(self._built.programs, self._built.schedule, self.plan, directory)
+        from autopar import schedules
+        from autopar.runtime.codegen import generate_source
+
+        b = self._built
+        paths = dump_programs(b.programs, b.schedule, self.plan, directory)
+        lowered = schedules.lower(b.schedule)
+        for r, acts in enumerate(lowered.actions):
+            path = os.path.join(directory, f"rank{r}_step.py")
+            with open(path, "w") as fh:
+                fh.write(f"# autopar: what pipeline rank {r} runs each step ({b.schedule.name}, "
+                         f"{b.schedule.num_microbatches} microbatches); rt is runtime.distributed.DistributedPipeline\n")
+                fh.write(generate_source(acts, b.schedule.stage_to_rank, r))
+            paths.append(path)
+        return paths
 
     def _require_built(self, what: str) -> None:
         if self._built is None:

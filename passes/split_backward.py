@@ -84,7 +84,10 @@ class Program:
     def __call__(self, env: dict, state: dict) -> None:
         """Read args from the microbatch env (or the shared state for parameters/buffers), run,
         and store the results in env under their keys."""
-        outs = self.gm(*[env[k] if k in env else state[k] for k in self.args])
+        # The programs are already forward+backward: autograd must not record them again (it
+        # would cost time and keep I's intermediates alive through the gradients it returns).
+        with torch.no_grad():
+            outs = self.gm(*[env[k] if k in env else state[k] for k in self.args])
         env.update(zip(self.results, outs))
 
     @property
@@ -203,6 +206,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     assert len(gpar_nodes) == len(grad_params)
 
     _split_masked_backward(joint, set(_ancestors(gin_nodes)))
+    annotate_costs(joint)  # once: the programs below copy each node's meta with it
     # node objects may have been replaced: re-read outputs
     flat_out = list(out_node.args[0])
     fwd_outs, gin_nodes, gpar_nodes = flat_out[:n_out], flat_out[n_out: n_out + len(grad_inputs)], flat_out[n_out + len(grad_inputs):]
@@ -351,5 +355,4 @@ def _extract(joint: fx.GraphModule, region: set, results: list, key_of, inputs: 
     g.output(tuple(env[r] for r in results))
     gm = fx.GraphModule(torch.nn.Module(), g, class_name=name)
     gm.graph.lint()
-    annotate_costs(gm)
     return Program(gm=gm, args=tuple(arg_keys), results=tuple(result_keys), flops=graph_flops(gm))

@@ -62,5 +62,15 @@ def barrier(group=None):
     return dist.barrier(group=group)
 
 
+def default_store():
+    """The default process group's store (for failure reports), or None."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def world() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()

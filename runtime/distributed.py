@@ -97,74 +97,101 @@ class DistributedPipeline:
         self.executed: list[str] = []
         self.position = "not started"
         self.step_index = 0
+        self._m = schedule.num_microbatches
+        self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
 
     # -- one step ----------------------------------------------------------------------------
+    # The step is a sequence of calls to the primitives below, one (or two: a wait, then the
+    # compute) per lowered action. `interpret` walks the action list; `generate` writes the same
+    # calls out as straight-line Python (runtime/codegen.py). Both must give identical results.
 
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
-        work, owner, me, S = self.work, self.owner, self.mesh.pp_rank, self.schedule.num_stages
-        M = self.schedule.num_microbatches
-        work.begin(microbatches, loss_scale)
-        pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
-        sends: list = []
+        self.work.begin(microbatches, loss_scale)
+        self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
+        self._sends: list = []
         self.executed = []
-        for a in self.lowered.actions[me]:
-            s, k, t = a.stage, a.microbatch, a.type
-            self.position = f"step {self.step_index}, action {a}"
-            if t == "RECV_F":
-                peer = self.mesh.global_rank(owner[s - 1])
-                bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
-                tags = [comms.p2p_tag(s - 1, k, False, i, M) for i in range(len(bufs))]
-                pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations of {s - 1}F{k}")
-            elif t == "RECV_B":
-                peer = self.mesh.global_rank(owner[s + 1])
-                bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
-                tags = [comms.p2p_tag(s + 1, k, True, i, M) for i in range(len(bufs))]
-                pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients of {s + 1}B{k}")
-            elif t == "SEND_F":
-                outs = work.take_outputs(s, k)
-                names = self.programs[s + 1].stage.inputs
-                tags = [comms.p2p_tag(s, k, False, i, M) for i in range(len(names))]
-                sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(owner[s + 1]), tags)
-            elif t == "SEND_B":
-                gin = work.take_input_grads(s, k)
-                names = self.programs[s - 1].diff_outputs
-                tags = [comms.p2p_tag(s, k, True, i, M) for i in range(len(names))]
-                sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(owner[s - 1]), tags)
-            elif t == "F":
-                if s > 0 and owner[s - 1] != me:
-                    work.put_inputs(s, k, self._wait(pending.pop(("F", s, k))))
-                work.forward(s, k)
-                if s + 1 == S:
-                    work.take_outputs(s, k)
-                elif owner[s + 1] == me:
-                    work.put_inputs(s + 1, k, work.take_outputs(s, k))
-                self.executed.append(str(a))
-            elif t in ("I", "B"):
-                if s + 1 < S and owner[s + 1] != me:
-                    work.put_grads(s, k, self._wait(pending.pop(("B", s, k))))
-                (work.input_grads if t == "I" else work.full_backward)(s, k)
-                if s == 0:
-                    work.take_input_grads(s, k)
-                elif owner[s - 1] == me:
-                    work.put_grads(s - 1, k, work.take_input_grads(s, k))
-                self.executed.append(str(a))
-            elif t == "W":
-                work.weight_grads(s, k)
-                self.executed.append(str(a))
+        try:
+            if self.program is not None:
+                self.program(self)
             else:
-                raise ValueError(f"autopar: unknown action {a}")
-        assert not pending, f"receives never consumed: {sorted(pending)}"
-        self.position = f"step {self.step_index}, waiting for sends to finish"
-        for w, _t in sends:
-            w.wait(self.timeout)
-        self.position = f"step {self.step_index}, gradient reduction"
-        self._sync_grads()
-        loss = self._broadcast_loss(work.total_loss())
-        self.position = f"step {self.step_index} done"
+                interpret(self, self.lowered.actions[self.mesh.pp_rank])
+            assert not self._pending, f"receives never consumed: {sorted(self._pending)}"
+            self.at("waiting for sends to finish")
+            for w, _t in self._sends:
+                w.wait(self.timeout)
+            self.at("gradient reduction")
+            self._sync_grads()
+            loss = self._broadcast_loss(self.work.total_loss())
+        except (RuntimeError, ValueError) as e:
+            if isinstance(e, PeerTimeout):
+                raise
+            raise PeerTimeout(self._failure_report(f"failed with {type(e).__name__}: {str(e).splitlines()[0][:300]}")) from e
+        self.at("done")
         self.step_index += 1
         return loss
+
+    def at(self, what: str) -> None:
+        self.position = f"step {self.step_index}, {what}"
+
+    def recv_f(self, s: int, k: int) -> None:
+        """Post the receive of stage s's input activations for microbatch k."""
+        peer = self.mesh.global_rank(self.owner[s - 1])
+        bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
+        tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
+        self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
+
+    def recv_b(self, s: int, k: int) -> None:
+        """Post the receive of the gradients of stage s's outputs for microbatch k."""
+        peer = self.mesh.global_rank(self.owner[s + 1])
+        bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
+        tags = [comms.p2p_tag(s + 1, k, True, i, self._m) for i in range(len(bufs))]
+        self._pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients from {s + 1}I{k}")
+
+    def wait_f(self, s: int, k: int) -> None:
+        self.at(f"waiting for {s}RECV_F{k}")
+        self.work.put_inputs(s, k, self._wait(self._pending.pop(("F", s, k))))
+
+    def wait_b(self, s: int, k: int) -> None:
+        self.at(f"waiting for {s}RECV_B{k}")
+        self.work.put_grads(s, k, self._wait(self._pending.pop(("B", s, k))))
+
+    def send_f(self, s: int, k: int) -> None:
+        outs = self.work.take_outputs(s, k)
+        names = self.programs[s + 1].stage.inputs
+        tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(names))]
+        self._sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(self.owner[s + 1]), tags)
+
+    def send_b(self, s: int, k: int) -> None:
+        gin = self.work.take_input_grads(s, k)
+        names = self.programs[s - 1].diff_outputs
+        tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(names))]
+        self._sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(self.owner[s - 1]), tags)
+
+    def forward(self, s: int, k: int) -> None:
+        self.at(f"running {s}F{k}")
+        self.work.forward(s, k)
+        if s + 1 == self.schedule.num_stages:
+            self.work.take_outputs(s, k)
+        elif self.owner[s + 1] == self.mesh.pp_rank:  # next stage on this rank: hand over in place
+            self.work.put_inputs(s + 1, k, self.work.take_outputs(s, k))
+        self.executed.append(f"{s}F{k}")
+
+    def backward(self, s: int, k: int, kind: str) -> None:
+        """kind "I" (input grads only) or "B" (input and weight grads)."""
+        self.at(f"running {s}{kind}{k}")
+        (self.work.input_grads if kind == "I" else self.work.full_backward)(s, k)
+        if s == 0:
+            self.work.take_input_grads(s, k)
+        elif self.owner[s - 1] == self.mesh.pp_rank:
+            self.work.put_grads(s - 1, k, self.work.take_input_grads(s, k))
+        self.executed.append(f"{s}{kind}{k}")
+
+    def weight(self, s: int, k: int) -> None:
+        self.at(f"running {s}W{k}")
+        self.work.weight_grads(s, k)
+        self.executed.append(f"{s}W{k}")
 
     def _wait(self, recv: comms.PendingRecv) -> dict[str, torch.Tensor]:
         t0 = time.monotonic()
@@ -173,10 +200,27 @@ class DistributedPipeline:
         except RuntimeError as e:
             waited = time.monotonic() - t0
             peer_pp = recv.peer % self.mesh.pp
-            raise PeerTimeout(
-                f"autopar rank {self.mesh.rank} (pp rank {self.mesh.pp_rank}, dp rank {self.mesh.dp_rank}) at "
-                f"{self.position}: no {recv.what} from rank {recv.peer} (pp rank {peer_pp}) after {waited:.1f}s; "
-                f"that rank died or is stuck. ({str(e).splitlines()[0][:200]})") from e
+            raise PeerTimeout(self._failure_report(
+                f"got no {recv.what} from rank {recv.peer} (pp rank {peer_pp}) after {waited:.1f}s: that rank died "
+                f"or is stuck ({str(e).splitlines()[0][:160]})")) from e
+
+    def _failure_report(self, what: str) -> str:
+        """This rank's failure, plus where every other rank said it was (through the c10d store)."""
+        me = self.mesh.rank
+        lines = [f"autopar rank {me} (pp {self.mesh.pp_rank}, dp {self.mesh.dp_rank}) at {self.position}: {what}"]
+        store = comms.default_store()
+        if store is not None:
+            try:
+                store.set(f"autopar/at/{me}", self.position)
+                time.sleep(min(2.0, self.timeout.total_seconds() / 10))  # let the others report too
+                world = self.mesh.pp * self.mesh.dp
+                for r in range(world):
+                    key = f"autopar/at/{r}"
+                    where = store.get(key).decode() if store.check([key]) else "no report (dead, or stuck in compute)"
+                    lines.append(f"  rank {r}: {where}")
+            except Exception:  # noqa: BLE001 - the store may have died with rank 0
+                lines.append("  (could not reach the store for the other ranks' positions)")
+        return "\n".join(lines)
 
     # -- gradient and loss reduction --------------------------------------------------------------
 
@@ -202,6 +246,33 @@ class DistributedPipeline:
         if self.mesh.dp > 1:
             comms.all_reduce_sum(loss, group=self.mesh.dp_group)
         return loss
+
+
+def interpret(rt: DistributedPipeline, actions) -> None:
+    """The oracle: walk the lowered action list, calling the primitives in order."""
+    owner, me = rt.owner, rt.mesh.pp_rank
+    for a in actions:
+        s, k, t = a.stage, a.microbatch, a.type
+        if t == "RECV_F":
+            rt.recv_f(s, k)
+        elif t == "RECV_B":
+            rt.recv_b(s, k)
+        elif t == "SEND_F":
+            rt.send_f(s, k)
+        elif t == "SEND_B":
+            rt.send_b(s, k)
+        elif t == "F":
+            if s > 0 and owner[s - 1] != me:
+                rt.wait_f(s, k)
+            rt.forward(s, k)
+        elif t in ("I", "B"):
+            if s + 1 < len(owner) and owner[s + 1] != me:
+                rt.wait_b(s, k)
+            rt.backward(s, k, t)
+        elif t == "W":
+            rt.weight(s, k)
+        else:
+            raise ValueError(f"autopar: unknown action {a}")
 
 
 def _input_specs(prog: StageProgram) -> dict[str, tuple]:

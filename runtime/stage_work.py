@@ -77,7 +77,9 @@ class StageWork:
             g = env.pop(f"gparam:{fqn}")
             p = self.params[fqn]
             if p.grad is None:
-                p.grad = g.detach().clone(memory_format=torch.contiguous_format)
+                # a copy: g may alias a tangent that is also sent upstream (out = x + p gives
+                # grad_p is grad_x), and .grad is accumulated into in place
+                p.grad = g.clone(memory_format=torch.contiguous_format)
             else:
                 p.grad.add_(g)
 

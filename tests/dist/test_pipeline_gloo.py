@@ -9,7 +9,7 @@ from tests.dist.harness import run_ranks
 pytestmark = pytest.mark.slow
 
 
-def _train(rank, world, case_name, plan_kwargs, steps):
+def _train(rank, world, case_name, plan_kwargs, steps, generated=True):
     import torch
 
     import autopar
@@ -18,7 +18,8 @@ def _train(rank, world, case_name, plan_kwargs, steps):
     opt = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-4)  # see tests/integration/test_local_equivalence.py
     case = ALL_CASES[case_name](seed=5)
     pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=opt,
-                             plan=autopar.Plan(**plan_kwargs), example_target=case.target)
+                             plan=autopar.Plan(**plan_kwargs), example_target=case.target,
+                             generated=generated)
     losses = [pm.step(case.inputs, case.target) for _ in range(steps)]
     planned = [str(a) for a in pm.schedule.actions[rank % pm.plan.pp]]
     return {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
@@ -61,3 +62,18 @@ def test_gloo_matches_eager(case_name, plan):
                                        msg=lambda m: f"rank {r} step {step}: {m}")
         assert_close_state(res["state"], ref_state)
         assert res["executed"] == res["planned"], f"rank {r} ran {res['executed']} planned {res['planned']}"
+
+
+def test_generated_program_equals_interpreter():
+    """R2: the generated straight-line program and the interpreter of the same actions agree exactly."""
+    import torch
+
+    plan = dict(pp=2, schedule="zbv", num_microbatches=4)
+    gen = run_ranks(_train, 2, "gpt", plan, 2, True)
+    interp = run_ranks(_train, 2, "gpt", plan, 2, False)
+    for r in range(2):
+        assert gen[r]["executed"] == interp[r]["executed"] == gen[r]["planned"]
+        for step in range(2):
+            assert torch.equal(gen[r]["losses"][step], interp[r]["losses"][step])
+        for k, v in gen[r]["state"].items():
+            assert torch.equal(v, interp[r]["state"][k]), k
