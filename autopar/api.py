@@ -20,7 +20,8 @@ log = logging.getLogger("autopar")
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
-                example_target=None, timeout: float | None = None, generated: bool = True) -> "ParallelModel":
+                example_target=None, timeout: float | None = None, generated: bool = True,
+                grad_reduce: str = "bucketed", bucket_mb: float = 25.0) -> "ParallelModel":
     """Parallelize ``model`` for training.
 
     ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
@@ -33,6 +34,9 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``timeout``: seconds a rank waits for a peer before reporting where every rank was
     (default: $AUTOPAR_TIMEOUT or 300). ``generated=False`` runs the per-rank action lists with
     the interpreter instead of the generated straight-line programs (same results).
+    ``grad_reduce``: "bucketed" (dp gradient sums in ``bucket_mb`` MiB fp32 buckets, started as
+    soon as a stage's last W ran, overlapping the rest of the step) or "naive" (one blocking
+    all-reduce per parameter at the end; the oracle).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -45,7 +49,8 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
             # raised on every rank, before any communication
             raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
                              f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
-    pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan, timeout=timeout, generated=generated)
+    pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan, timeout=timeout, generated=generated,
+                       grad_reduce=grad_reduce, bucket_bytes=int(bucket_mb * 2**20))
     if loss_fn is None or example_target is not None:
         pm._build(tuple(example_inputs), example_target)
     return pm
@@ -68,7 +73,8 @@ class ParallelModel:
     """A model split into pipeline stages with F/I/W programs, trained by ``step``."""
 
     def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan,
-                 timeout: float | None = None, generated: bool = True):
+                 timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
+                 bucket_bytes: int = 25 * 2**20):
         self.model = model
         self.loss_fn = loss_fn
         self.plan = plan
@@ -79,6 +85,7 @@ class ParallelModel:
         self._built: _Built | None = None
         self.timeout = timedelta(seconds=float(timeout if timeout is not None else os.environ.get("AUTOPAR_TIMEOUT", "300")))
         self.generated = generated
+        self.grad_reduce, self.bucket_bytes = grad_reduce, bucket_bytes
 
     # -- building ---------------------------------------------------------------------------
 
@@ -129,7 +136,8 @@ class ParallelModel:
             lowered = schedules.lower(schedule)
             mesh = build_mesh(plan.pp, plan.dp, programs, schedule.stage_to_rank, self.timeout)
             device = next(iter(self._params.values())).device
-            executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device)
+            executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device,
+                                           grad_reduce=self.grad_reduce, bucket_bytes=self.bucket_bytes)
             if self.generated:
                 from autopar.runtime.codegen import compile_step, generate_source
 

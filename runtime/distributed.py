@@ -19,6 +19,7 @@ import torch
 from autopar.passes.split_backward import LOSS, StageProgram
 
 from . import comms
+from .grad_reduce import BucketedReducer, naive_all_reduce
 from .stage_work import StageWork
 
 
@@ -82,7 +83,8 @@ class DistributedPipeline:
     """Runs this rank's lowered actions; same results as LocalPipeline for the same schedule."""
 
     def __init__(self, programs: list[StageProgram], schedule, lowered, state: dict,
-                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device):
+                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device,
+                 grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20):
         self.programs = programs
         self.schedule = schedule
         self.lowered = lowered
@@ -98,6 +100,12 @@ class DistributedPipeline:
         self.position = "not started"
         self.step_index = 0
         self._m = schedule.num_microbatches
+        if grad_reduce not in ("bucketed", "naive"):
+            raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
+        self.reducer = None
+        if mesh.dp > 1 and grad_reduce == "bucketed":
+            self.reducer = BucketedReducer(params, {s: list(programs[s].grad_params) for s in self.my_stages},
+                                           mesh.dp_group, bucket_bytes, deferred=set(mesh.tied_groups))
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
@@ -109,6 +117,9 @@ class DistributedPipeline:
 
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
         self.work.begin(microbatches, loss_scale)
+        self._wb_done: dict[int, int] = {}
+        if self.reducer is not None:
+            self.reducer.reset()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
         self._sends: list = []
         self.executed = []
@@ -187,11 +198,14 @@ class DistributedPipeline:
         elif self.owner[s - 1] == self.mesh.pp_rank:
             self.work.put_grads(s - 1, k, self.work.take_input_grads(s, k))
         self.executed.append(f"{s}{kind}{k}")
+        if kind == "B":
+            self._stage_progress(s)
 
     def weight(self, s: int, k: int) -> None:
         self.at(f"running {s}W{k}")
         self.work.weight_grads(s, k)
         self.executed.append(f"{s}W{k}")
+        self._stage_progress(s)
 
     def _wait(self, recv: comms.PendingRecv) -> dict[str, torch.Tensor]:
         t0 = time.monotonic()
@@ -231,11 +245,16 @@ class DistributedPipeline:
                 p.grad = torch.zeros_like(p)
             comms.all_reduce_sum(p.grad, group=group)
         if self.mesh.dp > 1:
-            for fqn in self.my_params:
-                p = self.params[fqn]
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                comms.all_reduce_sum(p.grad, group=self.mesh.dp_group)
+            if self.reducer is not None:
+                self.reducer.finish(self.timeout)
+            else:
+                naive_all_reduce(self.params, self.my_params, self.mesh.dp_group)
+
+    def _stage_progress(self, s: int) -> None:
+        """Count a finished W/B of stage s; after the last one its gradients can be reduced."""
+        self._wb_done[s] = self._wb_done.get(s, 0) + 1
+        if self._wb_done[s] == self._m and self.reducer is not None:
+            self.reducer.stage_done(s)
 
     def _broadcast_loss(self, local: torch.Tensor | None) -> torch.Tensor:
         last_rank = self.owner[-1]
