@@ -40,14 +40,19 @@ def _reference(case_name, dp, m, steps):
 
 ALL_SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-half", "v-min",
                  "dualpipev"]
-# (world, [(case, plan kwargs)]): one process group per world size, many sub-cases in it
+# (world, [(case, plan kwargs, runtime options)]): one process group per mesh, many sub-cases in it
 MATRIX = {
-    "pp2": (2, [("gpt", dict(pp=2, schedule=s, num_microbatches=4)) for s in ALL_SCHEDULES]
-            + [("llama", dict(pp=2, schedule=s, num_microbatches=4)) for s in ("1f1b", "zb-h1", "dualpipev")]),
-    "pp4": (4, [("gpt", dict(pp=4, schedule=s, num_microbatches=8)) for s in ALL_SCHEDULES]
-            + [("llama", dict(pp=4, schedule=s, num_microbatches=8)) for s in ("interleaved-1f1b", "zbv")]),
-    "pp2xdp2": (4, [("gpt", dict(pp=2, dp=2, schedule=s, num_microbatches=2)) for s in ("1f1b", "zb-h1")]
-                + [("llama", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4))]),
+    "pp2": (2, [("gpt", dict(pp=2, schedule=s, num_microbatches=4), {}) for s in ALL_SCHEDULES]
+            + [("llama", dict(pp=2, schedule=s, num_microbatches=4), {}) for s in ("1f1b", "zb-h1", "dualpipev")]
+            # R2 oracle: the interpreter of the same action lists
+            + [("gpt", dict(pp=2, schedule="zbv", num_microbatches=4), {"generated": False})]),
+    "pp4": (4, [("gpt", dict(pp=4, schedule=s, num_microbatches=8), {}) for s in ALL_SCHEDULES]
+            + [("llama", dict(pp=4, schedule=s, num_microbatches=8), {}) for s in ("interleaved-1f1b", "zbv")]),
+    "pp2xdp2": (4, [("gpt", dict(pp=2, dp=2, schedule=s, num_microbatches=2), {}) for s in ("1f1b", "zb-h1")]
+                + [("llama", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4), {})]
+                # DP oracle: tiny buckets (several per stage) and the naive per-parameter all-reduce
+                + [("gpt", dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2), {"bucket_mb": 0.01}),
+                   ("gpt", dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2), {"grad_reduce": "naive"})]),
 }
 
 
@@ -55,9 +60,9 @@ def _train_many(rank, world, subcases):
     import traceback
 
     out = []
-    for case_name, plan in subcases:
+    for case_name, plan, opts in subcases:
         try:
-            out.append(_train(rank, world, case_name, plan, 2))
+            out.append(_train(rank, world, case_name, plan, 2, **opts))
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
             out.append(traceback.format_exc())
     return out
@@ -67,7 +72,8 @@ def _train_many(rank, world, subcases):
 def test_gloo_matches_eager(mesh):
     """R1: every schedule that fits, pp=2 (2 processes), pp=4 (4 processes; V and interleaved
     schedules with 2 stages per rank) and pp=2 x dp=2, two AdamW steps, 1e-5 on loss and every
-    parameter; R2: each rank executed exactly its planned compute order."""
+    parameter; R2: each rank executed exactly its planned compute order, and the generated
+    program equals the interpreter bit for bit; bucketed DP reduction equals the naive oracle."""
     import torch
 
     from tests.reference import assert_close_state
@@ -75,8 +81,8 @@ def test_gloo_matches_eager(mesh):
     world, subcases = MATRIX[mesh]
     per_rank = run_ranks(_train_many, world, subcases, deadline_s=600)
     failures = []
-    for i, (case_name, plan) in enumerate(subcases):
-        label = f"{case_name} {plan}"
+    for i, (case_name, plan, opts) in enumerate(subcases):
+        label = f"{case_name} {plan} {opts}"
         try:
             ref_losses, ref_state = _reference(case_name, plan.get("dp", 1), plan["num_microbatches"], 2)
             for r in range(world):
@@ -87,36 +93,12 @@ def test_gloo_matches_eager(mesh):
                                                msg=lambda m: f"rank {r} step {step}: {m}")
                 assert_close_state(res["state"], ref_state)
                 assert res["executed"] == res["planned"], f"rank {r} ran {res['executed']} planned {res['planned']}"
+                if opts:  # an oracle variant: identical to the default run of the same case and plan
+                    j = next(j for j, (c, p, o) in enumerate(subcases) if (c, p) == (case_name, plan) and not o)
+                    base = per_rank[r][j]
+                    assert all(torch.equal(a, b) for a, b in zip(res["losses"], base["losses"]))
+                    for k, v in res["state"].items():
+                        assert torch.equal(v, base["state"][k]), f"rank {r}: {k} differs from the default run"
         except AssertionError as e:
             failures.append(f"{label}: {e}")
     assert not failures, "\n\n".join(failures)
-
-
-def test_generated_program_equals_interpreter():
-    """R2: the generated straight-line program and the interpreter of the same actions agree exactly."""
-    import torch
-
-    plan = dict(pp=2, schedule="zbv", num_microbatches=4)
-    gen = run_ranks(_train, 2, "gpt", plan, 2, True)
-    interp = run_ranks(_train, 2, "gpt", plan, 2, False)
-    for r in range(2):
-        assert gen[r]["executed"] == interp[r]["executed"] == gen[r]["planned"]
-        for step in range(2):
-            assert torch.equal(gen[r]["losses"][step], interp[r]["losses"][step])
-        for k, v in gen[r]["state"].items():
-            assert torch.equal(v, interp[r]["state"][k]), k
-
-
-def test_bucketed_dp_reduce_equals_naive_oracle():
-    """Small buckets (several per stage, launched as each stage's last W finishes) give exactly
-    the naive per-parameter all-reduce's result (dp=2: a two-term sum is order-free)."""
-    import torch
-
-    plan = dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2)
-    bucketed = run_ranks(_train, 4, "gpt", plan, 2, True, "bucketed", 0.01)
-    naive = run_ranks(_train, 4, "gpt", plan, 2, True, "naive")
-    for r in range(4):
-        for step in range(2):
-            assert torch.equal(bucketed[r]["losses"][step], naive[r]["losses"][step])
-        for k, v in bucketed[r]["state"].items():
-            assert torch.equal(v, naive[r]["state"][k]), k
