@@ -119,13 +119,16 @@ class StageProgram:
     joint: fx.GraphModule = field(repr=False)
     regions: dict[str, frozenset[str]] = field(repr=False, default_factory=dict)  # joint node names
 
+    def __post_init__(self):
+        # computed once: the runtime asks after every F and I of every microbatch
+        self._keep = {
+            "F": frozenset(k for k in self.i.args + self.w.args + self.b.args if _is_local_key(k)),
+            "I": frozenset(k for k in self.w.args if _is_local_key(k)),
+        }
+
     def keys_after(self, program: str) -> frozenset[str]:
         """Keys of a microbatch's env still needed after `program` ran (for releasing memory)."""
-        if program == "F":
-            return frozenset(k for k in self.i.args + self.w.args + self.b.args if _is_local_key(k))
-        if program == "I":
-            return frozenset(k for k in self.w.args if _is_local_key(k))
-        return frozenset()
+        return self._keep.get(program, frozenset())
 
 
 def _is_local_key(k: str) -> bool:
