@@ -137,7 +137,8 @@ class ParallelModel:
             mesh = build_mesh(plan.pp, plan.dp, programs, schedule.stage_to_rank, self.timeout)
             device = next(iter(self._params.values())).device
             executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device,
-                                           grad_reduce=self.grad_reduce, bucket_bytes=self.bucket_bytes)
+                                           grad_reduce="zero1" if plan.zero == 1 else self.grad_reduce,
+                                           bucket_bytes=self.bucket_bytes)
             if self.generated:
                 from autopar.runtime.codegen import compile_step, generate_source
 
@@ -150,7 +151,12 @@ class ParallelModel:
             executor = LocalPipeline(programs, schedule, state, self._params)
             trained = [p for p in self._params.values() if p.requires_grad]
         if self._optimizer_factory is not None:
-            self.optimizer = self._optimizer_factory(trained)
+            if _distributed() and plan.zero == 1 and plan.dp > 1:
+                from autopar.runtime.zero import ZeroOneOptimizer
+
+                self.optimizer = ZeroOneOptimizer(trained, self._optimizer_factory, mesh.dp_group, plan.dp, mesh.dp_rank)
+            else:
+                self.optimizer = self._optimizer_factory(trained)
         self._built = _Built(captured, stages, programs, schedule, executor, mb, m,
                              tuple(x.shape[1:] for x in inputs), None if target is None else target.shape[1:])
 

@@ -25,6 +25,7 @@ class Plan:
     stages_per_rank: int | None = None
     stage_cuts: tuple[int, ...] | None = None
     recompute: tuple[int, ...] = field(default=())
+    zero: int = 0  # 1: optimizer states sharded over dp (ZeRO-1)
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -35,6 +36,9 @@ class Plan:
             raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {self.num_microbatches!r}")
         if self.stages_per_rank is not None and (not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1):
             raise ValueError(f"autopar.Plan: stages_per_rank must be a positive int or None, got {self.stages_per_rank!r}")
+        if self.zero not in (0, 1):
+            raise ValueError(f"autopar.Plan: zero={self.zero!r}: ZeRO levels 2 and 3 are not available yet; "
+                             "use zero=0 or zero=1 (optimizer states sharded over dp)")
         if self.cp != 1 or self.ep != 1:
             raise ValueError(f"autopar.Plan: cp={self.cp}, ep={self.ep}: context and expert parallelism are not "
                              "available yet; use cp=1, ep=1")
@@ -68,6 +72,7 @@ class Plan:
     def table(self) -> str:
         rows = [("pp", self.pp), ("dp", self.dp), ("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
-                ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none")]
+                ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
+                ("ZeRO", self.zero)]
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

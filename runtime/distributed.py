@@ -100,8 +100,9 @@ class DistributedPipeline:
         self.position = "not started"
         self.step_index = 0
         self._m = schedule.num_microbatches
-        if grad_reduce not in ("bucketed", "naive"):
+        if grad_reduce not in ("bucketed", "naive", "zero1"):
             raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
+        self.grad_reduce = grad_reduce  # "zero1": the ZeRO-1 optimizer reduce-scatters in its step
         self.reducer = None
         if mesh.dp > 1 and grad_reduce == "bucketed":
             self.reducer = BucketedReducer(params, {s: list(programs[s].grad_params) for s in self.my_stages},
@@ -244,7 +245,7 @@ class DistributedPipeline:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comms.all_reduce_sum(p.grad, group=group)
-        if self.mesh.dp > 1:
+        if self.mesh.dp > 1 and self.grad_reduce != "zero1":
             if self.reducer is not None:
                 self.reducer.finish(self.timeout)
             else:

@@ -52,7 +52,10 @@ MATRIX = {
                 + [("llama", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4), {})]
                 # DP oracle: tiny buckets (several per stage) and the naive per-parameter all-reduce
                 + [("gpt", dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2), {"bucket_mb": 0.01}),
-                   ("gpt", dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2), {"grad_reduce": "naive"})]),
+                   ("gpt", dict(pp=2, dp=2, schedule="zb-h1", num_microbatches=2), {"grad_reduce": "naive"})]
+                # ZeRO-1: optimizer states sharded over dp (reduce-scatter, shard step, all-gather)
+                + [("gpt", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2, zero=1), {}),
+                   ("llama", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4, zero=1), {})]),
 }
 
 
