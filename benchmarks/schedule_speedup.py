@@ -43,6 +43,16 @@ SCHEDULES = ("1f1b", "zb-h1", "zbv")
 TOLERANCE = 0.15
 
 
+
+def _timed(store: dict, kind: str, fn, recording: list):
+    """Wrap a StageWork method so each call's duration is appended to store[(stage, kind)] while recording[0]."""
+    def timed(s, k):
+        t0 = time.perf_counter()
+        fn(s, k)
+        if recording[0]:
+            store.setdefault((s, kind), []).append(time.perf_counter() - t0)
+    return timed
+
 def _model_kwargs(args) -> dict:
     return dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
                 batch_size=args.batch, vocab_size=args.vocab, seed=0)
@@ -63,12 +73,7 @@ def measure_stage_costs(model_kwargs: dict, m: int, steps: int, warmup: int = 1)
     recording = [False]
 
     def wrap(store, kind, fn):
-        def timed(s, k):
-            t0 = time.perf_counter()
-            fn(s, k)
-            if recording[0]:
-                store.setdefault((s, kind), []).append(time.perf_counter() - t0)
-        return timed
+        return _timed(store, kind, fn, recording)
 
     for name in SCHEDULES:
         model, inputs, target, loss_fn = make_gpt(**model_kwargs)
@@ -136,12 +141,7 @@ def _rank_main(rank, world, cfg):
     recording = [False]
 
     def wrap(store, kind, fn):
-        def timed(s, k):
-            t0 = time.perf_counter()
-            fn(s, k)
-            if recording[0]:
-                store.setdefault((s, kind), []).append(time.perf_counter() - t0)
-        return timed
+        return _timed(store, kind, fn, recording)
 
     for name in SCHEDULES:
         work = pms[name]._built.executor.work
