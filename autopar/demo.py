@@ -137,5 +137,6 @@ def run_inspect(args) -> int:
     pm, *_ = _build(args)
     paths = pm.dump(args.out)
     print(pm.stage_table())
-    print(f"\nwrote {len(paths)} files to {args.out}/ (stageN_F.py, stageN_I.py, stageN_W.py, stageN_B.py, stages.txt)")
+    print(f"\nwrote {len(paths)} files to {args.out}/ (stageN_F.py, stageN_I.py, stageN_W.py, stageN_B.py: stage "
+          "programs; rankN_step.py: what each pipeline rank runs per step; stages.txt)")
     return 0
