@@ -92,6 +92,7 @@ class ParallelModel:
     def _build(self, inputs: tuple, target) -> None:
         from autopar import schedules
         from autopar.passes import capture, split_backward, split_stages
+        from autopar.passes.split_backward import StageInfo, differentiable_outputs
         from autopar.runtime import LocalPipeline
 
         plan = self.plan
@@ -117,12 +118,22 @@ class ParallelModel:
                  ", ".join(f"{s.cost * 1e3:.2f}" for s in stages), time.perf_counter() - t1)
         t2 = time.perf_counter()
         trainable = {fqn for fqn, p in self._params.items() if p.requires_grad}
+        # A process traces the joint graphs of its own stages only; for the others it needs just
+        # which outputs carry a gradient (one fake forward each). Local mode holds every stage.
+        mine = set(range(len(stages)))
+        if _distributed():
+            pp_rank = torch.distributed.get_rank() % plan.pp
+            mine = {s for s, r in enumerate(schedule.stage_to_rank) if r == pp_rank}
         programs, requires = [], {}
         for st in stages:
-            prog = split_backward(st, requires, trainable, recompute=st.index in plan.recompute)
+            if st.index in mine:
+                prog = split_backward(st, requires, trainable, recompute=st.index in plan.recompute)
+            else:
+                prog = StageInfo(st, differentiable_outputs(st, requires, trainable))
             requires = {name: True for name in prog.diff_outputs}
             programs.append(prog)
-        log.info("autopar: split backward into F/I/W for %d stages in %.2fs", len(programs), time.perf_counter() - t2)
+        log.info("autopar: split backward into F/I/W for %d of %d stages in %.2fs", len(mine), len(programs),
+                 time.perf_counter() - t2)
         state = {}
         for fqn, p in self._params.items():
             state[f"param:{fqn}"] = p
@@ -134,7 +145,7 @@ class ParallelModel:
             from autopar.runtime.distributed import DistributedPipeline, build_mesh
 
             lowered = schedules.lower(schedule)
-            mesh = build_mesh(plan.pp, plan.dp, programs, schedule.stage_to_rank, self.timeout)
+            mesh = build_mesh(plan.pp, plan.dp, stages, trainable, schedule.stage_to_rank, self.timeout)
             device = next(iter(self._params.values())).device
             executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device,
                                            grad_reduce="zero1" if plan.zero == 1 else self.grad_reduce,

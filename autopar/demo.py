@@ -77,9 +77,11 @@ def _train(args) -> dict:
         losses.append(float(pm.step(inputs, target)))
         times.append(time.perf_counter() - t)
     b = pm._built
+    from autopar.inspect import stage_rows
+
     return {"losses": losses, "times": times, "built_s": built, "plan": pm.plan.table(),
-            "stage_table": pm.stage_table(), "microbatches": b.num_microbatches, "mb_size": b.microbatch_size,
-            "tokens": inputs[0].numel()}
+            "stage_rows": stage_rows(b.programs, b.schedule), "microbatches": b.num_microbatches,
+            "mb_size": b.microbatch_size, "tokens": inputs[0].numel()}
 
 
 def _worker(args) -> dict:
@@ -111,13 +113,21 @@ def run_demo(args) -> int:
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
                               start_method="spawn")
         results = elastic_launch(config, _worker)(args)
-        res = results[0]
+        res = dict(results[0])
+        # each process traced its own stages: the table is the union of their rows
+        seen = {}
+        for r in sorted(results):
+            for row in results[r]["stage_rows"]:
+                seen.setdefault(row["stage"], row)
+        res["stage_rows"] = list(seen.values())
         mode = f"{args.nproc} processes"
     else:
         res = _train(args)
         mode = "local mode: every rank in this process"
     print(f"\nplan ({mode}; microbatches of {res['mb_size']} samples):\n{res['plan']}\n")
-    print(res["stage_table"])
+    from autopar.inspect import stage_table
+
+    print(stage_table([], rows=res["stage_rows"]))
     print(f"\nbuilt in {res['built_s']:.1f}s; trained {args.steps} steps\n")
     model, inputs, target, loss_fn = _model(args)
     eager = _eager_losses(model, inputs, target, loss_fn, _optimizer(args), res["microbatches"] * plan.dp, args.steps)

@@ -13,8 +13,11 @@ def _fmt_bytes(n: float) -> str:
 
 
 def stage_rows(programs, schedule) -> list[dict]:
+    """One row per stage whose programs this process holds (in distributed mode: its own)."""
     rows = []
     for prog in programs:
+        if not hasattr(prog, "f"):
+            continue
         st = prog.stage
         rank = schedule.stage_to_rank[st.index] if schedule is not None else 0
         rows.append({
@@ -33,11 +36,12 @@ def _param_placeholders(st) -> set[str]:
     return set(phs[: len(st.params)])
 
 
-def stage_table(programs, schedule=None) -> str:
+def stage_table(programs, schedule=None, rows: list[dict] | None = None) -> str:
+    rows = stage_rows(programs, schedule) if rows is None else sorted(rows, key=lambda r: r["stage"])
     head = f"{'stage':>5} {'rank':>4} {'params':>6} {'param mem':>10} {'F GFLOP':>8} {'I GFLOP':>8} {'W GFLOP':>8} " \
            f"{'saved/mb':>10} {'bytes in':>10} {'bytes out':>10}"
     lines = [head, "-" * len(head)]
-    for r in stage_rows(programs, schedule):
+    for r in rows:
         lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} {_fmt_bytes(r['param_bytes']):>10} "
                      f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
                      f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} {_fmt_bytes(r['bytes_out']):>10}")
@@ -47,6 +51,8 @@ def stage_table(programs, schedule=None) -> str:
 def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
     paths = []
     for prog in programs:
+        if not hasattr(prog, "f"):
+            continue  # another pipeline rank's stage
         s = prog.stage.index
         for kind, p in (("F", prog.f), ("I", prog.i), ("W", prog.w), ("B", prog.b)):
             path = os.path.join(directory, f"stage{s}_{kind}.py")

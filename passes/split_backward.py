@@ -96,6 +96,14 @@ class Program:
 
 
 @dataclass
+class StageInfo:
+    """What a process needs to know of a stage another pipeline rank runs."""
+
+    stage: StageGraph
+    diff_outputs: tuple[str, ...]
+
+
+@dataclass
 class StageProgram:
     """F/I/W/B programs of one stage.
 
@@ -151,13 +159,10 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
             + [input_key(i) for i in stage.inputs])
     assert len(keys) == len(phs)
     trainable = set(stage.params) if trainable is None else trainable
-    out_names = list(stage.outputs) + [f"update:{f}" for f in stage.buffer_updates] + ([LOSS] if stage.has_loss else [])
-    n_act = len(stage.outputs)
+    out_names = _output_names(stage)
     vals = [p.meta["val"] for p in phs]
     fake_mode = detect_fake_mode(vals)
-    # Which outputs may carry a gradient: activations and the loss, never buffer updates.
-    grad_candidates = [i for i in range(len(out_names)) if i < n_act or out_names[i] == LOSS]
-    grad_candidates = [i for i in grad_candidates if _is_float(_out_val(sg, i))]
+    grad_candidates = _grad_candidates(stage)
     record: dict[str, list] = {}
 
     def joint_fn(*flat):
@@ -177,14 +182,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         return (*outs, *g_in, *[g for g in g_par if g is not None])
 
     with fake_mode:
-        args = []
-        for j, v in enumerate(vals):
-            v = v.detach()
-            needs = (j < n_p and stage.params[j] in trainable) or (
-                j >= len(phs) - len(stage.inputs) and input_requires_grad.get(stage.inputs[j - (len(phs) - len(stage.inputs))], False))
-            if needs and _is_float(v):
-                v = v.requires_grad_(True)
-            args.append(v)
+        args = _trace_args(stage, input_requires_grad, trainable)
         # Gradients arrive contiguous (the runtime makes them so): trace them that way, so the
         # view ops the trace picks are valid at run time. Activations keep their traced strides
         # (StageProgram.input_strides), because the forward graph's views were chosen for them.
@@ -197,6 +195,8 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     for n, k in zip(j_phs, keys + [grad_key(out_names[i]) for i in grad_candidates]):
         names[n] = k
     diff_outputs = tuple(out_names[i] for i in record["diff"])
+    assert diff_outputs == differentiable_outputs(stage, input_requires_grad, trainable), \
+        f"stage {stage.index}: differentiable_outputs disagrees with the joint trace"
     grad_inputs = tuple(stage.inputs[j - (len(phs) - len(stage.inputs))] for j in record["in"])
     grad_params = tuple(stage.params[j] for j, has in record["par"] if has)
 
@@ -248,7 +248,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     f_saved = sorted(from_f, key=order.__getitem__)
     i_saved = [n for n in used_from_outside(w_nodes, gpar_nodes) if n in i_nodes]
 
-    fwd_keys = [f"out:{nm}" if k < n_act else nm for k, nm in enumerate(out_names)]
+    fwd_keys = [f"out:{nm}" if k < len(stage.outputs) else nm for k, nm in enumerate(out_names)]
     f_prog = _extract(joint, f_nodes, fwd_outs + f_saved, key_of, used_from_outside(f_nodes, fwd_outs),
                       fwd_keys + [key_of(n) for n in f_saved], f"stage{stage.index}_F")
     gin_keys = [f"gin:{nm}" for nm in grad_inputs]
@@ -274,6 +274,46 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         regions={"F": frozenset(n.name for n in f_nodes), "I": frozenset(n.name for n in i_nodes),
                  "W": frozenset(n.name for n in w_nodes)},
     )
+
+
+def differentiable_outputs(stage: StageGraph, input_requires_grad: dict[str, bool],
+                           trainable: set[str] | None = None) -> tuple[str, ...]:
+    """The stage outputs that carry a gradient (what `split_backward(...).diff_outputs` will be),
+    from one forward replay on fake tensors: cheap enough to run for every stage on every rank
+    when a rank traces the joint graphs of its own stages only."""
+    vals = [n.meta["val"] for n in stage.gm.graph.nodes if n.op == "placeholder"]
+    trainable = set(stage.params) if trainable is None else trainable
+    names = _output_names(stage)
+    with detect_fake_mode(vals), torch.enable_grad():
+        outs = stage.gm(*_trace_args(stage, input_requires_grad, trainable))
+    return tuple(names[i] for i in _grad_candidates(stage) if outs[i].requires_grad)
+
+
+def _output_names(stage: StageGraph) -> list[str]:
+    return list(stage.outputs) + [f"update:{f}" for f in stage.buffer_updates] + ([LOSS] if stage.has_loss else [])
+
+
+def _grad_candidates(stage: StageGraph) -> list[int]:
+    """Output positions that may carry a gradient: float activations and the loss, never buffer updates."""
+    names = _output_names(stage)
+    return [i for i in range(len(names))
+            if (i < len(stage.outputs) or names[i] == LOSS) and _is_float(_out_val(stage.gm, i))]
+
+
+def _trace_args(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str]) -> list:
+    """Fake placeholder values (call inside their fake mode): trainable parameters and the inputs
+    that carry a gradient require grad."""
+    vals = [n.meta["val"] for n in stage.gm.graph.nodes if n.op == "placeholder"]
+    first_input = len(vals) - len(stage.inputs)
+    args = []
+    for j, v in enumerate(vals):
+        v = v.detach()
+        needs = (j < len(stage.params) and stage.params[j] in trainable) or (
+            j >= first_input and input_requires_grad.get(stage.inputs[j - first_input], False))
+        if needs and _is_float(v):
+            v = v.requires_grad_(True)
+        args.append(v)
+    return args
 
 
 def _key_bytes(prog: Program, key: str) -> int:

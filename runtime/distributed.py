@@ -45,7 +45,7 @@ class Mesh:
         return self.dp_rank * self.pp + pp_rank
 
 
-def build_mesh(pp: int, dp: int, programs: list[StageProgram], stage_to_rank, timeout: timedelta) -> Mesh:
+def build_mesh(pp: int, dp: int, stages, trainable: set[str], stage_to_rank, timeout: timedelta) -> Mesh:
     """Create every process group (all ranks call this in the same order)."""
     rank, world = comms.world()
     assert pp * dp == world, (pp, dp, world)
@@ -60,10 +60,13 @@ def build_mesh(pp: int, dp: int, programs: list[StageProgram], stage_to_rank, ti
         g = comms.new_group(ranks, timeout) if dp > 1 else None
         if r == mesh.pp_rank:
             mesh.dp_group = g
+    # Every rank must derive the same groups: use what every rank knows of every stage (the
+    # trainable parameters it uses), not the gradients only a stage's own rank traced.
     holders: dict[str, set[int]] = {}
-    for prog in programs:
-        for fqn in prog.grad_params:
-            holders.setdefault(fqn, set()).add(stage_to_rank[prog.stage.index])
+    for st in stages:
+        for fqn in st.params:
+            if fqn in trainable:
+                holders.setdefault(fqn, set()).add(stage_to_rank[st.index])
     for fqn in sorted(holders):
         owners = sorted(holders[fqn])
         if len(owners) < 2:
