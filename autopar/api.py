@@ -185,7 +185,9 @@ class ParallelModel:
         b = self._built
         plan = self.plan
         batch = _batch_size(inputs, target)
-        if batch != b.microbatch_size * plan.dp * b.num_microbatches or tuple(x.shape[1:] for x in inputs) != b.input_shapes:
+        target_changed = target is not None and b.target_shape is not None and tuple(target.shape[1:]) != tuple(b.target_shape)
+        if (batch != b.microbatch_size * plan.dp * b.num_microbatches or target_changed
+                or tuple(x.shape[1:] for x in inputs) != b.input_shapes):
             raise ValueError(f"autopar: step got inputs {[tuple(x.shape) for x in inputs]} but the program was captured "
                              f"for a global batch of {b.microbatch_size * plan.dp * b.num_microbatches} with per-sample "
                              f"shapes {[tuple(s) for s in b.input_shapes]}; shapes are static, re-parallelize for new shapes")

@@ -16,7 +16,7 @@ from datetime import timedelta
 
 import torch
 
-from autopar.passes.split_backward import LOSS, StageProgram
+from autopar.passes.split_backward import LOSS, StageInfo, StageProgram
 
 from . import comms
 from .grad_reduce import BucketedReducer, naive_all_reduce
@@ -85,7 +85,7 @@ class PeerTimeout(RuntimeError):
 class DistributedPipeline:
     """Runs this rank's lowered actions; same results as LocalPipeline for the same schedule."""
 
-    def __init__(self, programs: list[StageProgram], schedule, lowered, state: dict,
+    def __init__(self, programs: list[StageProgram | StageInfo], schedule, lowered, state: dict,
                  params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device,
                  grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20):
         self.programs = programs

@@ -42,3 +42,17 @@ def test_demo_on_two_processes_matches_eager():
     assert "launching 2 gloo processes" in proc.stdout
     assert "losses match single-process eager PyTorch" in proc.stdout
     assert autopar.__version__
+
+
+def test_step_with_other_shapes_is_a_clear_error():
+    import torch
+
+    from tests.models import make_gpt
+
+    case = make_gpt()
+    pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, plan=autopar.Plan(pp=2, num_microbatches=4),
+                             example_target=case.target)
+    with pytest.raises(ValueError, match="shapes are static"):
+        pm.step((case.inputs[0][:4],), case.target[:4])
+    with pytest.raises(ValueError, match="shapes are static"):
+        pm.step(case.inputs, torch.zeros(8, 31, dtype=torch.long))
