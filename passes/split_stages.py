@@ -82,9 +82,10 @@ def split_stages(captured: CapturedGraph, num_stages: int, cuts: list[int] | Non
         cuts = choose_cuts(captured, num_stages)
     else:
         cuts = list(cuts)
-        if len(cuts) != num_stages - 1 or sorted(set(cuts)) != cuts or (cuts and not 0 < cuts[0] and cuts[-1] < len(order)):
+        if len(cuts) != num_stages - 1 or sorted(set(cuts)) != cuts or (cuts and not (0 < cuts[0] and cuts[-1] < len(order))):
             raise ValueError(f"autopar: stage cuts {cuts} must be {num_stages - 1} increasing positions in 1..{len(order) - 1}")
-        bad = [c for c in cuts if not _crossing_ok(order, c)]
+        allowed = crossing_profile(order)[1]
+        bad = [c for c in cuts if not allowed[c]]
         if bad:
             raise ValueError(f"autopar: cannot cut before compute node(s) at {bad}: a non-tensor value would cross")
     bounds = [0] + cuts + [len(order)]
@@ -133,10 +134,6 @@ def crossing_profile(order: list[fx.Node]) -> tuple[list[int], list[bool]]:
         crossing.append(acc)
         allowed.append(accb == 0)
     return crossing, allowed
-
-
-def _crossing_ok(order, c) -> bool:
-    return crossing_profile(order)[1][c]
 
 
 def block_key(node: fx.Node):

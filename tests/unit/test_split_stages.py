@@ -69,6 +69,10 @@ def test_too_many_stages_is_a_clear_error(gpt_captured):
 def test_explicit_cuts_are_validated(gpt_captured):
     with pytest.raises(ValueError, match="increasing"):
         split_stages(gpt_captured, 3, cuts=[10, 5])
+    n_nodes = sum(1 for n in gpt_captured.gm.graph.nodes if n.op in ("call_function", "get_attr"))
+    for out_of_range in ([0], [n_nodes], [n_nodes + 5]):
+        with pytest.raises(ValueError, match="increasing positions"):
+            split_stages(gpt_captured, 2, cuts=out_of_range)
     n = sum(1 for n in gpt_captured.gm.graph.nodes if n.op in ("call_function", "get_attr"))
     stages = split_stages(gpt_captured, 2, cuts=[n // 2])
     assert len(stages) == 2
