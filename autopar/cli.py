@@ -1,4 +1,4 @@
-"""`autopar` command line: demo, schedule, inspect. Subcommands import only what they need."""
+"""`autopar` command line: demo, plan, schedule, inspect. Subcommands import only what they need."""
 from __future__ import annotations
 
 import argparse
@@ -11,9 +11,15 @@ def main(argv: list[str] | None = None) -> int:
         from autopar.schedules.cli import main as schedule_main
 
         return schedule_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from autopar.planner.cli import main as plan_main
+
+        return plan_main(argv[1:])
     parser = argparse.ArgumentParser(prog="autopar", description="graph-capture auto-parallelizer for PyTorch training")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("schedule", help="print, simulate and export pipeline schedules (autopar schedule --help)")
+    sub.add_parser("plan", help="pick degrees, schedule, microbatches and stage boundaries for a model on N devices "
+                                "(autopar plan --help)")
     demo = sub.add_parser("demo", help="capture examples/gpt, split it, train a few steps on CPU processes, "
                                        "compare with eager")
     _model_args(demo)

@@ -14,12 +14,35 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 # A crude CPU-ish roofline used only to *balance* stages against each other; the planner
 # (autopar.planner) owns the calibrated per-device model. Units: seconds.
 _BALANCE_FLOPS_PER_S = 1e11
 _BALANCE_BYTES_PER_S = 1e10
+
+
+def _causal(flops: int, is_causal: bool) -> int:
+    # a causal flash kernel skips the masked half of the score blocks
+    return flops // 2 if is_causal else flops
+
+
+def _cpu_flash_fwd(query, key, value, dropout_p=0.0, is_causal=False, *args, out_val=None, **kwargs) -> int:
+    return _causal(sdpa_flop_count(query, key, value), is_causal)
+
+
+def _cpu_flash_bwd(grad_out, query, key, value, out, logsumexp, dropout_p=0.0, is_causal=False, *args,
+                   out_val=None, **kwargs) -> int:
+    return _causal(sdpa_backward_flop_count(grad_out, query, key, value), is_causal)
+
+
+# torch's FlopCounterMode has no rule for the CPU flash-attention kernels (what SDPA becomes when
+# a graph is traced on CPU / fake-CPU tensors); without these, attention would count as free.
+_EXTRA_FLOP_RULES = {
+    # keyed by overload packet; FlopCounterMode passes shapes in place of tensors
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd,
+}
 
 
 def value_bytes(val) -> int:
@@ -53,7 +76,7 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
 
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     env: dict[fx.Node, object] = {}
-    counter = FlopCounterMode(display=False)
+    counter = FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_RULES)
     with fake_mode, counter:
         for node in gm.graph.nodes:
             if node.op == "placeholder":

@@ -1,5 +1,37 @@
-"""autopar.planner: cost and memory model and the PuLP search over plans (not written yet).
+"""autopar.planner: cost and memory model from the captured graph, and the search over plans.
 
-Today a plan is given by the user (`autopar.Plan`); stage boundaries are chosen by
-`autopar.passes.split_stages` from the captured graph's per-node costs.
+    res, info = plan_model(model, inputs, target, loss_fn, gpus=16, global_batch=64, device=get_profile("h100"))
+    res.chosen.layout, res.chosen.estimate.step_time, res.chosen.estimate.peak_memory
+
+Modules: ``profile`` (model -> per-unit costs), ``devices`` / ``comm`` (device profiles, alpha-beta
+collectives), ``estimate`` (time and memory of one candidate), ``ilp`` (stage-boundary ILP),
+``search`` (the rounds), ``report`` (table and JSON), ``presets`` (meta-device models), ``cli``.
 """
+from __future__ import annotations
+
+
+def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_batch: int, device=None,
+               memory_limit: float | None = None, exhaustive: bool = False, schedules=None,
+               allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
+               name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
+               n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0):
+    """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info)."""
+    from .devices import current_profile
+    from .profile import profile_model
+    from .search import Request, plan
+
+    device = device or current_profile()
+    prof = profile_model(model, inputs, target, loss_fn, name=name, layer_repeats=layer_repeats,
+                         expert_prefixes=expert_prefixes, n_heads=n_heads, n_experts=n_experts,
+                         seq_len=seq_len, progress=progress)
+    kw = {}
+    if schedules:
+        kw["schedules"] = tuple(schedules)
+    req = Request(gpus=gpus, global_batch=global_batch,
+                  memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
+                  exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
+                  ilp_time_limit=ilp_time_limit, **kw)
+    res = plan(prof, device, req, progress=progress)
+    info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
+            "units": len(prof.units)}
+    return res, info

@@ -1,0 +1,171 @@
+"""`autopar plan MODEL --gpus N ...`: capture the model, search plans, print the report.
+
+MODEL is a preset name (``autopar plan --list``) or ``--model pkg.module:factory`` where the
+factory returns ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` with
+``loss_fn(output) -> scalar``, or ``(model, example_inputs, target, loss_fn)`` with
+``loss_fn(output, target)``. Exit status: 0 a plan fits, 2 no plan fits or bad input.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import re
+import sys
+import time
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
+          "kib": 2 ** 10, "mib": 2 ** 20, "gib": 2 ** 30, "tib": 2 ** 40}
+
+
+def parse_bytes(text: str) -> float:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--memory {text!r}: expected a size such as 80GiB, 141GB or 512MiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ValueError(f"--memory {text!r} must be positive")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="autopar plan", description="pick PP/DP/CP/EP degrees, the pipeline schedule, "
+                                "microbatches and stage boundaries for a model on N devices, and say why")
+    p.add_argument("preset", nargs="?", help="preset model name (see --list)")
+    p.add_argument("--model", help="pkg.module:factory returning (model, example_inputs[, target], [loss_fn])")
+    p.add_argument("--list", action="store_true", help="list presets and device profiles")
+    p.add_argument("--gpus", type=int, help="devices in the job (world size)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
+    p.add_argument("--device", default="h100", help="device profile: h100 (default), h200, a100-80gb, mi300x, b200, "
+                                                   "cpu (measured here), or current")
+    p.add_argument("--memory", default=None, help="memory limit per device, e.g. 80GiB (default: the profile's)")
+    p.add_argument("--global-batch", type=int, help="samples per optimizer step")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (presets; default 4096)")
+    p.add_argument("--top", type=int, default=5, help="alternatives to show (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the report")
+    p.add_argument("--all", action="store_true", help="simulate and list every feasible candidate (slower)")
+    p.add_argument("--schedules", default=None, help="comma-separated schedules to search (default: all)")
+    p.add_argument("--no-cp", action="store_true", help="do not search context parallelism")
+    p.add_argument("--no-ep", action="store_true", help="do not search expert parallelism")
+    p.add_argument("--max-zero", type=int, default=3, choices=(0, 1, 2, 3), help="highest ZeRO level to search")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    return p
+
+
+def load_factory(spec: str):
+    if ":" not in spec:
+        raise ValueError(f"--model {spec!r}: expected pkg.module:factory")
+    mod_name, fn_name = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise ValueError(f"--model {spec!r}: cannot import {mod_name}: {e}") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise ValueError(f"--model {spec!r}: {mod_name} has no callable {fn_name}")
+    out = fn()
+    if not isinstance(out, tuple) or len(out) not in (2, 3, 4):
+        raise ValueError(f"--model {spec!r}: the factory must return (model, example_inputs), "
+                         "(model, example_inputs, loss_fn) or (model, example_inputs, target, loss_fn)")
+    if len(out) == 4:
+        model, inputs, target, loss_fn = out
+    elif len(out) == 3:
+        import torch.nn as nn
+
+        model0, inputs, loss_out = out
+
+        class _WithLoss(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.model = model0
+
+            def forward(self, *x):
+                return loss_out(self.model(*x))
+
+        model, target, loss_fn = _WithLoss(), None, None
+    else:
+        model, inputs = out
+        target = loss_fn = None
+    if not isinstance(inputs, tuple):
+        inputs = (inputs,)
+    return model, inputs, target, loss_fn
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[autopar plan] {msg}", file=sys.stderr, flush=True))
+    try:
+        return _run(args, say)
+    except ValueError as e:
+        print(f"autopar plan: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args, say) -> int:
+    from . import presets
+    from .devices import current_profile, get_profile, names as device_names
+
+    if args.list:
+        print("presets: " + ", ".join(presets.names()))
+        print("devices: " + ", ".join(device_names()) + ", current")
+        return 0
+    if (args.preset is None) == (args.model is None):
+        raise ValueError("give a preset name or --model pkg.module:factory (not both); presets: "
+                         + ", ".join(presets.names()))
+    if args.gpus is None or args.global_batch is None:
+        raise ValueError("--gpus and --global-batch are required")
+    import torch
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    device = current_profile() if args.device == "current" else get_profile(args.device)
+    if args.gpus_per_node is not None:
+        if args.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be >= 1, got {args.gpus_per_node}")
+        import dataclasses
+
+        device = dataclasses.replace(device, gpus_per_node=args.gpus_per_node)
+    limit = parse_bytes(args.memory) if args.memory else float(device.memory_bytes)
+    schedules = None
+    if args.schedules:
+        from autopar.schedules import names as sched_names
+
+        schedules = tuple(x.strip() for x in args.schedules.split(",") if x.strip())
+        bad = [x for x in schedules if x not in sched_names()]
+        if bad:
+            raise ValueError(f"--schedules: unknown {bad}; known: {', '.join(sched_names())}")
+    from . import plan_model
+
+    if args.preset is not None:
+        seq = args.seq or 4096
+        if seq < 1:
+            raise ValueError(f"--seq must be >= 1, got {seq}")
+        say(f"building preset {args.preset} on the meta device (seq {seq})")
+        pm = presets.build_preset(args.preset, seq_len=seq)
+        kwargs = dict(name=pm.name, layer_repeats=pm.layer_repeats, expert_prefixes=pm.expert_param_prefixes,
+                      n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq)
+        model, inputs, target, loss_fn = pm.model, pm.inputs, pm.target, pm.loss_fn
+    else:
+        model, inputs, target, loss_fn = load_factory(args.model)
+        x0 = inputs[0]
+        seq = int(x0.shape[1]) if isinstance(x0, torch.Tensor) and x0.dim() >= 2 else None
+        if args.seq is not None and seq is not None and args.seq != seq:
+            raise ValueError(f"--seq {args.seq} differs from the example inputs' sequence length {seq}; "
+                             "build the example inputs at the length to plan for")
+        kwargs = dict(name=args.model, seq_len=seq)
+    t0 = time.perf_counter()
+    res, info = plan_model(model, inputs, target, loss_fn, gpus=args.gpus, global_batch=args.global_batch,
+                           device=device, memory_limit=limit, exhaustive=args.all, schedules=schedules,
+                           allow_cp=not args.no_cp, allow_ep=not args.no_ep,
+                           zero_levels=tuple(range(args.max_zero + 1)), progress=say, **kwargs)
+    say(f"done in {time.perf_counter() - t0:.1f} s")
+    from .report import text, to_json
+
+    if args.json:
+        print(json.dumps(to_json(res, info, top=args.top, include_all=args.all), indent=1))
+    else:
+        print(text(res, info, top=args.top, include_all=args.all))
+    return 0 if res.chosen is not None else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,205 @@
+"""Model presets for the planner: published large-model configs built on the meta device.
+
+``build_preset(name, seq_len, microbatch_size=1, full_depth=False)`` returns a ``PresetModel``:
+the model on the meta device in bfloat16 (no storage is allocated, so 671B parameters cost
+nothing), one microbatch of example token ids and targets (meta, int64 ``[batch, seq]``), the
+loss function, and what the planner needs to scale the captured graph back to the real model.
+
+By default (``full_depth=False``) the built model holds ONE block per distinct block kind and
+``layer_repeats`` says how many real layers each one stands for, so that capture stays fast:
+
+* ``gpt3-175b``:    ``{"blocks.0": 96}``
+* ``llama3-*``:     ``{"layers.0": n_layers}``
+* ``mixtral-8x7b``: ``{"layers.0": 32}``
+* ``deepseek-v3``:  ``{"layers.0": 3, "layers.1": 58}`` (dense FFN block, MoE block)
+
+With ``full_depth=True`` every layer is built and maps to 1.
+
+The MoE presets use ``capacity_factor=1.0``: the expert buffers hold exactly the balanced
+share of the ``tokens * top_k`` assignments, so the expert FLOPs equal the balanced-routing
+ideal (``top_k`` dense FFNs of width ``expert_hidden`` per token); a real run with imbalance
+drops the overflow. Pass ``capacity_factor=`` to model headroom (e.g. 1.25).
+
+Not modelled: DeepSeek-V3's multi-token-prediction module (the 671B figure excludes it; the
+14B MTP weights on the hub are extra) and YaRN context extension (RoPE tables are plain).
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from autopar.examples.gpt import GPT, GPTConfig, gpt_loss
+from autopar.examples.llama import Llama, LlamaConfig, llama_loss
+
+__all__ = ["PresetModel", "names", "build_preset", "parameter_count", "published_parameter_count"]
+
+DTYPE = torch.bfloat16
+PRESET_CAPACITY_FACTOR = 1.0
+
+
+@dataclass(frozen=True)
+class PresetModel:
+    name: str
+    model: nn.Module              # on meta, bf16
+    inputs: tuple                 # one microbatch: (token ids [batch, seq] int64, meta)
+    target: torch.Tensor          # meta [batch, seq] int64
+    loss_fn: Callable
+    layer_repeats: dict           # block path in the built model -> real layers it stands for
+    num_layers: int               # real depth
+    n_heads: int
+    n_kv_heads: int
+    expert_param_prefixes: tuple = ()   # substrings naming routed-expert parameters; () if dense
+    n_experts: int = 0
+    top_k: int = 0
+    source: str = ""
+
+
+@dataclass(frozen=True)
+class _Spec:
+    name: str
+    kind: str                     # "gpt" or "llama"
+    config: object                # GPTConfig or LlamaConfig at full depth (seq_len = published context)
+    source: str
+    published_params: float
+
+
+# GPT-3 175B -- Brown et al. 2020, "Language Models are Few-Shot Learners" (arXiv 2005.14165),
+# Table 2.1: 96 layers, d_model 12288, 96 heads (d_head 128), context 2048, 175.0B parameters;
+# GPT-2 BPE vocabulary of 50257 tokens; learned positions, tied embedding, LayerNorm, GELU MLP 4d.
+_GPT3 = _Spec(
+    "gpt3-175b", "gpt",
+    GPTConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
+    "Brown et al. 2020, Language Models are Few-Shot Learners (arXiv:2005.14165), Table 2.1", 175.0e9)
+
+# Llama 3 -- Llama Team 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 3, and the
+# meta-llama/Meta-Llama-3.1-{8B,70B,405B} config.json / model cards (8.03B, 70.6B, 405.8B):
+# vocab 128256, rope_theta 500000, rms_norm_eps 1e-5, 8 KV heads, context 8192 (Llama 3;
+# 3.1 extends to 128K with scaled RoPE, which changes no shape).
+_LLAMA_SOURCE = ("Llama Team 2024, The Llama 3 Herd of Models (arXiv:2407.21783), Table 3; "
+                 "meta-llama/Meta-Llama-3.1-{} config.json")
+
+
+def _llama3(name, tag, n_layers, d_model, n_heads, ffn_hidden, published):
+    cfg = LlamaConfig(vocab_size=128256, d_model=d_model, n_layers=n_layers, n_heads=n_heads, n_kv_heads=8,
+                      ffn_hidden=ffn_hidden, seq_len=8192, rope_theta=500000.0, norm_eps=1e-5)
+    return _Spec(name, "llama", cfg, _LLAMA_SOURCE.format(tag), published)
+
+
+_LLAMA3_8B = _llama3("llama3-8b", "8B", 32, 4096, 32, 14336, 8.03e9)
+_LLAMA3_70B = _llama3("llama3-70b", "70B", 80, 8192, 64, 28672, 70.6e9)
+_LLAMA3_405B = _llama3("llama3-405b", "405B", 126, 16384, 128, 53248, 405.8e9)
+
+# Mixtral 8x7B -- Jiang et al. 2024, "Mixtral of Experts" (arXiv 2401.04088), Table 1, and
+# mistralai/Mixtral-8x7B-v0.1 config.json: 32 layers, d 4096, 32 heads / 8 KV heads, 8 experts
+# top-2 (softmax, renormalised over the 2), expert hidden 14336, vocab 32000, rope_theta 1e6,
+# rms_norm_eps 1e-5, context 32768, router_aux_loss_coef 0.001; 46.7B parameters.
+_MIXTRAL = _Spec(
+    "mixtral-8x7b", "llama",
+    LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+                seq_len=32768, rope_theta=1e6, norm_eps=1e-5,
+                n_experts=8, top_k=2, expert_hidden=14336, n_dense_layers=0,
+                capacity_factor=PRESET_CAPACITY_FACTOR, aux_loss_weight=0.001, score_func="softmax",
+                norm_topk_prob=True),
+    "Jiang et al. 2024, Mixtral of Experts (arXiv:2401.04088), Table 1; "
+    "mistralai/Mixtral-8x7B-v0.1 config.json", 46.7e9)
+
+# DeepSeek-V3 -- DeepSeek-AI 2024, "DeepSeek-V3 Technical Report" (arXiv 2412.19437), section 4.2,
+# and deepseek-ai/DeepSeek-V3 config.json: 61 layers (first 3 dense FFN 18432, then 58 MoE:
+# 256 routed experts top-8 + 1 shared, expert hidden 2048, sigmoid scores with a selection-only
+# bias, top-8 renormalised and scaled by 2.5, node-limited routing over 8 groups keeping 4),
+# d 7168, 128 heads, MLA (q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128),
+# vocab 129280, rms_norm_eps 1e-6, rope_theta 10000, pre-training context 4096, sequence-wise
+# balance loss alpha 1e-4; 671B parameters (without the 14B MTP module).
+_DEEPSEEK_V3 = _Spec(
+    "deepseek-v3", "llama",
+    LlamaConfig(vocab_size=129280, d_model=7168, n_layers=61, n_heads=128, n_kv_heads=128, ffn_hidden=18432,
+                seq_len=4096, rope_theta=10000.0, norm_eps=1e-6,
+                n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1, n_dense_layers=3,
+                capacity_factor=PRESET_CAPACITY_FACTOR, aux_loss_weight=1e-4, score_func="sigmoid",
+                norm_topk_prob=True, route_scale=2.5, n_expert_groups=8, topk_groups=4, selection_bias=True,
+                attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                qk_rope_head_dim=64, v_head_dim=128),
+    "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (arXiv:2412.19437), section 4.2; "
+    "deepseek-ai/DeepSeek-V3 config.json", 671e9)
+
+_PRESETS: dict[str, _Spec] = {s.name: s for s in (
+    _GPT3, _LLAMA3_8B, _LLAMA3_70B, _LLAMA3_405B, _MIXTRAL, _DEEPSEEK_V3)}
+
+EXPERT_PARAM_PREFIXES = ("feed_forward.experts.",)
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_PRESETS)
+
+
+def _spec(name: str) -> _Spec:
+    try:
+        return _PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(_PRESETS)}") from None
+
+
+def published_parameter_count(name: str) -> float:
+    """The total parameter count the preset's source states."""
+    return _spec(name).published_params
+
+
+def _reduced(spec: _Spec):
+    """Config with one block per distinct block kind, and the block path -> real layer count."""
+    cfg = spec.config
+    if spec.kind == "gpt":
+        return replace(cfg, n_layer=1), {"blocks.0": cfg.n_layer}
+    dense = cfg.n_dense_layers if cfg.n_experts else cfg.n_layers
+    moe = cfg.n_layers - dense
+    if dense and moe:
+        return replace(cfg, n_layers=2, n_dense_layers=1), {"layers.0": dense, "layers.1": moe}
+    return replace(cfg, n_layers=1), {"layers.0": cfg.n_layers}
+
+
+def build_preset(name: str, seq_len: int, microbatch_size: int = 1, full_depth: bool = False,
+                 capacity_factor: float | None = None) -> PresetModel:
+    """Build preset ``name`` on the meta device in bf16 with one ``[microbatch_size, seq_len]`` microbatch.
+
+    ``capacity_factor`` overrides the MoE presets' 1.0 (ignored for dense presets).
+    """
+    spec = _spec(name)
+    if seq_len < 1 or microbatch_size < 1:
+        raise ValueError(f"seq_len and microbatch_size must be positive, got {seq_len}, {microbatch_size}")
+    cfg = spec.config
+    if spec.kind == "gpt":
+        cfg = replace(cfg, seq_len=max(cfg.seq_len, seq_len))  # learned positions: keep the published table
+        num_layers, n_heads, n_kv_heads = cfg.n_layer, cfg.n_head, cfg.n_head
+        loss_fn = gpt_loss
+    else:
+        cfg = replace(cfg, seq_len=seq_len)
+        if capacity_factor is not None and cfg.n_experts:
+            cfg = replace(cfg, capacity_factor=capacity_factor)
+        num_layers, n_heads, n_kv_heads = cfg.n_layers, cfg.n_heads, cfg.n_kv_heads
+        loss_fn = llama_loss
+    if full_depth:
+        repeats = {f"{'blocks' if spec.kind == 'gpt' else 'layers'}.{i}": 1 for i in range(num_layers)}
+    else:
+        cfg, repeats = _reduced(replace(spec, config=cfg))
+    with torch.device("meta"):
+        model = (GPT(cfg) if spec.kind == "gpt" else Llama(cfg)).to(DTYPE)
+        tokens = torch.empty(microbatch_size, seq_len, dtype=torch.long)
+        target = torch.empty(microbatch_size, seq_len, dtype=torch.long)
+    is_moe = spec.kind == "llama" and spec.config.n_experts > 0
+    return PresetModel(
+        name=name, model=model, inputs=(tokens,), target=target, loss_fn=loss_fn,
+        layer_repeats=repeats, num_layers=num_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        expert_param_prefixes=EXPERT_PARAM_PREFIXES if is_moe else (),
+        n_experts=spec.config.n_experts if is_moe else 0, top_k=spec.config.top_k if is_moe else 0,
+        source=spec.source)
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_count(name: str) -> int:
+    """Total parameters of the full-depth model (built on meta at the published context; tied weights once)."""
+    spec = _spec(name)
+    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True)
+    return sum(p.numel() for p in preset.model.parameters())

@@ -1,0 +1,374 @@
+"""From a model to the planner's per-unit costs: capture once, cut at block boundaries, trace
+each distinct block's joint graph once.
+
+A *unit* is the smallest piece a pipeline stage is made of: the prologue (everything before
+the first block, e.g. embeddings), one block (``layers.7``), or the epilogue (final norm, head
+and loss). Stage boundaries fall between units. Units whose graphs are identical (same ops on
+the same shapes) share one joint trace, so a 126-layer model costs one block's trace.
+
+Everything is per *sample* of the captured microbatch (the capture uses microbatch size
+``batch0``; every op of the supported models is linear in the batch dimension, so a
+microbatch of b samples costs b/batch0 times the captured one):
+
+* F/I/W programs as node lists (FLOPs, bytes moved, dtype, whether it is a pure view) so a
+  device profile turns them into times (``UnitKind.times``);
+* saved activations: distinct storages the F program keeps for I and W (views of parameters
+  and aliases of one another counted once), and what W still needs after I;
+* the boundary tensors (what a stage receives and sends), parameter counts and bytes,
+  expert parameters (split by EP), attention bytes (moved by Ulysses CP all-to-alls) and the
+  MoE dispatch bytes (moved by EP all-to-alls).
+
+Models built on the meta device are captured on fake CPU tensors: no memory, and SDPA lowers
+to the flash kernel (saves q, k, v, out, logsumexp), as it does on GPUs, rather than to the
+math path that would keep the T x T scores.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("autopar")
+
+_VIEW_LIKE = {"_unsafe_view", "alias", "detach", "lift_fresh", "lift_fresh_copy"}
+_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+              "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
+              "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _is_view(node: fx.Node) -> bool:
+    t = node.target
+    if t is operator.getitem:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return bool(t.is_view) or t._opname in _VIEW_LIKE
+    return False
+
+
+def _is_attention_fwd(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in _ATTENTION
+
+
+@dataclass(frozen=True)
+class Program:
+    """One program's nodes as the cost model sees them (per captured microbatch)."""
+
+    flops: tuple[float, ...]
+    bytes_moved: tuple[float, ...]
+    dtypes: tuple[str, ...]
+    views: tuple[bool, ...]
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(self.flops))
+
+    def time(self, device, scale: float) -> float:
+        """Seconds on ``device`` when the work is ``scale`` times the captured microbatch's.
+
+        Every node costs ``op_overhead_s`` plus max(compute, memory traffic); both terms scale
+        with the work, so a program is ``const + scale * slope`` (computed once per device).
+        """
+        const, slope = self._linear(device)
+        return const + scale * slope
+
+    def _linear(self, device) -> tuple[float, float]:
+        cache = self.__dict__.setdefault("_by_device", {})
+        key = (device.name, device.op_overhead_s, device.mem_bandwidth, device.mem_efficiency,
+               device.flops_efficiency, tuple(sorted(device.peak_flops.items())))
+        hit = cache.get(key)
+        if hit is None:
+            rates = {dt: device.flops_rate(dt) for dt in set(self.dtypes)}
+            bw = device.mem_bandwidth * device.mem_efficiency
+            slope = sum(max(f / rates[dt], b / bw) for f, b, dt, v in
+                        zip(self.flops, self.bytes_moved, self.dtypes, self.views) if not v)
+            hit = cache[key] = (device.op_overhead_s * len(self.flops), slope)
+        return hit
+
+
+def _program(gm: fx.GraphModule) -> Program:
+    flops, moved, dtypes, views = [], [], [], []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        out = n.meta.get("autopar_bytes", 0)
+        ins = sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes)
+        val = n.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+        dt = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
+        flops.append(float(n.meta.get("autopar_flops", 0)))
+        moved.append(float(out + ins))
+        dtypes.append(dt)
+        views.append(_is_view(n))
+    return Program(tuple(flops), tuple(moved), tuple(dtypes), tuple(views))
+
+
+@dataclass(frozen=True)
+class UnitKind:
+    """Costs of one distinct unit graph, per captured microbatch (``ModelProfile.batch0`` samples)."""
+
+    kind: str                 # signature label, e.g. "layers.0"
+    f: Program
+    i: Program
+    w: Program
+    saved_bytes: float        # F keeps for I and W
+    saved_after_i: float      # what W still needs after I ran
+    in_bytes: float           # activations received (what a recomputing stage keeps)
+    out_bytes: float          # activations sent to the next unit
+    params: int               # parameter elements
+    param_tensors: int        # parameter tensors (the optimizer's per-tensor work)
+    param_bytes: int
+    expert_params: int        # of which expert weights (sharded by EP)
+    attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume)
+    dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume)
+    work_bytes: float         # largest live set inside the unit's backward (transient)
+
+    def times(self, device, scale: float) -> tuple[float, float, float]:
+        return self.f.time(device, scale), self.i.time(device, scale), self.w.time(device, scale)
+
+
+@dataclass(frozen=True)
+class Unit:
+    name: str            # layer name in the real model, e.g. "layers.57"
+    kind: UnitKind
+    cut: int | None      # compute-node index where the unit starts in the captured graph (None if not captured)
+
+
+@dataclass
+class ModelProfile:
+    name: str
+    units: list[Unit]
+    batch0: int                    # samples in the captured microbatch
+    seq_len: int | None            # tokens per sample (None for non-sequence models)
+    n_heads: int = 0               # attention heads (for CP divisibility); 0 = unknown
+    n_experts: int = 0
+    capture_s: float = 0.0
+    trace_s: float = 0.0
+    tied_params: int = 0           # parameter elements counted in two units (tied embedding/head)
+    has_captured_graph: bool = True  # False when units stand for layers that were not captured
+    captured: object = field(default=None, repr=False)
+
+    @property
+    def total_params(self) -> int:
+        return sum(u.kind.params for u in self.units) - self.tied_params
+
+    @property
+    def kinds(self) -> list[UnitKind]:
+        seen, out = set(), []
+        for u in self.units:
+            if id(u.kind) not in seen:
+                seen.add(id(u.kind))
+                out.append(u.kind)
+        return out
+
+    def runs(self) -> list[tuple[UnitKind, int]]:
+        """Consecutive units of the same kind, as (kind, count)."""
+        out: list[tuple[UnitKind, int]] = []
+        for u in self.units:
+            if out and out[-1][0] is u.kind:
+                out[-1] = (u.kind, out[-1][1] + 1)
+            else:
+                out.append((u.kind, 1))
+        return out
+
+    def flops_per_sample(self) -> float:
+        return sum(u.kind.f.total_flops + u.kind.i.total_flops + u.kind.w.total_flops for u in self.units) / self.batch0
+
+
+def _fakeify(model: torch.nn.Module, inputs: tuple, target):
+    """Meta modules/tensors -> fake CPU ones (no storage); real ones are returned unchanged."""
+    metas = [t.is_meta for t in list(model.parameters()) + list(model.buffers())]
+    metas += [x.is_meta for x in inputs if isinstance(x, torch.Tensor)]
+    if not any(metas):
+        return model, inputs, target
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        model = model.to_empty(device="cpu")
+        inputs = tuple(torch.empty_like(x, device="cpu") if isinstance(x, torch.Tensor) else x for x in inputs)
+        if isinstance(target, torch.Tensor):
+            target = torch.empty_like(target, device="cpu")
+    return model, inputs, target
+
+
+def _signature(stage) -> tuple:
+    sig = []
+    for n in stage.gm.graph.nodes:
+        val = n.meta.get("val")
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        dtype = str(val.dtype) if isinstance(val, torch.Tensor) else None
+        sig.append((n.op, str(n.target) if n.op != "placeholder" else "", shape, dtype))
+    return tuple(sig)
+
+
+def _storage_bytes(nodes: Sequence[fx.Node], param_like: set[str]) -> float:
+    """Bytes of the distinct storages behind ``nodes``: views resolve to their base; views of
+    parameters/buffers/constants cost nothing (the state is counted elsewhere)."""
+    bases: dict[str, float] = {}
+    for n in nodes:
+        base = n
+        while base.op == "call_function" and _is_view(base) and base.all_input_nodes:
+            base = base.all_input_nodes[0]
+        if base.op == "placeholder" and base.name in param_like:
+            continue
+        if base.name not in bases:
+            bases[base.name] = float(base.meta.get("autopar_bytes", 0))
+    return sum(bases.values())
+
+
+def _peak_live(gm: fx.GraphModule, param_like: set[str]) -> float:
+    """Largest sum of live non-view, non-state node outputs while running ``gm`` in order."""
+    nodes = list(gm.graph.nodes)
+    last = {}
+    for i, n in enumerate(nodes):
+        for a in n.all_input_nodes:
+            last[a] = i
+    live, peak = 0.0, 0.0
+    sizes = {}
+    for i, n in enumerate(nodes):
+        if n.op == "call_function" and not _is_view(n):
+            sizes[n] = float(n.meta.get("autopar_bytes", 0))
+            live += sizes[n]
+            peak = max(peak, live)
+        for a in n.all_input_nodes:
+            if last.get(a) == i and a in sizes:
+                live -= sizes.pop(a)
+    return peak
+
+
+def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool]) -> UnitKind:
+    from autopar.passes.costs import value_bytes
+
+    state_keys = ("param:", "buffer:", "const:")
+    f_state = {n.name for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
+               if k.startswith(state_keys)}
+    f_out = next(n for n in sp.f.gm.graph.nodes if n.op == "output")
+    saved_nodes = [v for v, k in zip(f_out.args[0], sp.f.results) if k.startswith("saved:")]
+    saved = _storage_bytes(saved_nodes, f_state)
+    w_phs = [n for n in sp.w.gm.graph.nodes if n.op == "placeholder"]
+    w_state = {n.name for n, k in zip(w_phs, sp.w.args) if k.startswith(state_keys)}
+    after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not k.startswith(state_keys)
+                              and not k.startswith("grad:")], w_state)
+    phs = [n for n in stage.gm.graph.nodes if n.op == "placeholder"]
+    vals = {n.name: n.meta.get("val") for n in phs}
+    n_state = len(stage.params)
+    params = sum(vals[n.name].numel() for n in phs[:n_state])
+    pbytes = sum(value_bytes(vals[n.name]) for n in phs[:n_state])
+    expert = sum(vals[n.name].numel() for n, fqn in zip(phs[:n_state], stage.params) if expert_names(fqn))
+    in_bytes = float(stage.bytes_in)
+    out_bytes = float(stage.bytes_out)
+    attn = 0.0
+    dispatch = 0.0
+    expert_ph = {n.name for n, fqn in zip(phs[:n_state], stage.params) if expert_names(fqn)}
+    for n in stage.gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if _is_attention_fwd(n):
+            attn += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes[:3])
+            attn += value_bytes(n.meta.get("val") if not isinstance(n.meta.get("val"), tuple) else n.meta["val"][0])
+        elif expert_ph and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
+            w = n.args[-1]
+            while isinstance(w, fx.Node) and w.op == "call_function" and _is_view(w):
+                w = w.all_input_nodes[0]
+            if isinstance(w, fx.Node) and w.name in expert_ph and isinstance(n.args[-2], fx.Node):
+                dispatch = max(dispatch, float(n.args[-2].meta.get("autopar_bytes", 0)))
+    # dispatch: the largest expert input buffer of the unit, sent out and combined back once per MoE
+    b_state = {n.name for n, k in zip((n for n in sp.b.gm.graph.nodes if n.op == "placeholder"), sp.b.args)
+               if k.startswith(state_keys)}
+    return UnitKind(kind=label, f=_program(sp.f.gm), i=_program(sp.i.gm), w=_program(sp.w.gm),
+                    saved_bytes=saved, saved_after_i=min(after_i, saved),
+                    in_bytes=in_bytes, out_bytes=out_bytes, params=int(params), param_tensors=n_state,
+                    param_bytes=int(pbytes),
+                    expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
+                    work_bytes=max(_peak_live(sp.b.gm, b_state), _peak_live(sp.f.gm, f_state)))
+
+
+def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=None, *, name: str = "model",
+                  layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
+                  n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
+                  progress: Callable[[str], None] | None = None) -> ModelProfile:
+    """Capture ``model`` on one microbatch and cost every unit (see the module docstring).
+
+    ``layer_repeats`` maps a block path of the built model to the number of real layers it
+    stands for (presets are built with one block per kind); blocks not named stand for one.
+    """
+    from autopar.passes.capture import capture
+    from autopar.passes.split_backward import differentiable_outputs, split_backward
+    from autopar.passes.split_stages import block_key, crossing_profile, split_stages
+
+    say = progress or (lambda msg: None)
+    if not isinstance(inputs, (tuple, list)):
+        inputs = (inputs,)
+    inputs = tuple(inputs)
+    batch0 = int(inputs[0].shape[0]) if inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() else 1
+    if seq_len is None and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() >= 2:
+        seq_len = int(inputs[0].shape[1])
+    t0 = time.perf_counter()
+    fmodel, finputs, ftarget = _fakeify(model, inputs, target)
+    say(f"capturing {name} ...")
+    captured = capture(fmodel, finputs, ftarget, loss_fn)
+    capture_s = time.perf_counter() - t0
+    say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
+
+    order = [n for n in captured.gm.graph.nodes if n.op in ("call_function", "get_attr")]
+    _, allowed = crossing_profile(order)
+    keys, prev = [], None
+    for node in order:
+        k = block_key(node)
+        prev = prev if k is ... else k
+        keys.append(prev)
+    cuts = [c for c in range(1, len(order)) if allowed[c] and keys[c] != keys[c - 1]]
+    # block keys come from the capture wrapper's module tree ("model.layers.3"): drop its prefix
+    labels = [None if k is None else k.removeprefix("model.") for k in [keys[0]] + [keys[c] for c in cuts]]
+    stages = split_stages(captured, len(cuts) + 1, cuts)
+    t1 = time.perf_counter()
+    trainable = set(captured.params.values())
+    needs = {}
+    kinds: dict[tuple, UnitKind] = {}
+    unit_kinds = []
+    is_expert = (lambda fqn: any(p in fqn for p in expert_prefixes)) if expert_prefixes else (lambda fqn: False)
+    for st, label in zip(stages, labels):
+        irg = {name_: needs.get(name_, False) for name_ in st.inputs}
+        sig = (_signature(st), tuple(sorted(irg.items())))
+        diff = differentiable_outputs(st, irg, trainable)
+        needs = {o: (o in diff) for o in st.outputs}
+        if sig not in kinds:
+            sp = split_backward(st, irg, trainable)
+            kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert)
+        unit_kinds.append(kinds[sig])
+    trace_s = time.perf_counter() - t1
+    say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
+
+    repeats = dict(layer_repeats or {})
+    units: list[Unit] = []
+    counters: dict[str, int] = {}
+    for k, (label, kind) in enumerate(zip(labels, unit_kinds)):
+        cut = 0 if k == 0 else cuts[k - 1]
+        if label is None:
+            units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut))
+            continue
+        container = label.rsplit(".", 1)[0]
+        n = repeats.get(label, 1)
+        for _ in range(n):
+            idx = counters.get(container, 0)
+            counters[container] = idx + 1
+            units.append(Unit(f"{container}.{idx}", kind, cut if n == 1 and not layer_repeats else None))
+    tied = sum(len(v) - 1 for v in captured.aliases.values())
+    tied_elems = 0
+    if tied:
+        ph_vals = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+        holders: dict[str, int] = {}
+        for st in stages:
+            for fqn in st.params:
+                holders[fqn] = holders.get(fqn, 0) + 1
+        by_fqn = {fqn: ph_vals[ph] for ph, fqn in captured.params.items()}
+        tied_elems = sum((holders[f] - 1) * by_fqn[f].numel() for f in holders if holders[f] > 1)
+    return ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
+                        n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
+                        has_captured_graph=not layer_repeats, captured=captured)

@@ -1,0 +1,198 @@
+"""The planner's output: a terminal report (tables) and one JSON object (design.md §4)."""
+from __future__ import annotations
+
+import sympy
+
+from .estimate import Estimate, GiB
+from .search import Candidate, PlanResult
+
+
+def stage_rows(res: PlanResult, est: Estimate) -> list[dict]:
+    units = res.evaluator.units
+    b = est.partition.bounds
+    rows = []
+    for s in range(len(b) - 1):
+        first, last = units[b[s]].name, units[b[s + 1] - 1].name
+        rows.append({
+            "stage": s, "rank": est.stage_to_rank[s], "units": [b[s], b[s + 1]],
+            "first": first, "last": last, "recompute": est.partition.recompute[s],
+            "F_s": est.stage_costs.f[s], "I_s": est.stage_costs.i[s], "W_s": est.stage_costs.w[s],
+        })
+    return rows
+
+
+def memory_formula(res: PlanResult, est: Estimate, rank: int) -> sympy.Expr:
+    """Rank memory in bytes as a function of microbatch size b and sequence length s.
+
+    Saved activations, transient working sets and P2P buffers are linear in the tokens of a
+    microbatch (b*s, attention runs as a flash kernel); parameters, gradients, optimizer
+    states, buffers and the runtime overhead are not.
+    """
+    b, s = sympy.symbols("b s", positive=True)
+    row = est.memory[rank]
+    linear = row["activations"] + row["working"] + row["p2p buffers"]
+    static = sum(v for k, v in row.items() if k not in ("activations", "working", "p2p buffers"))
+    lay = est.layout
+    seq = res.evaluator.profile.seq_len or 1
+    per_token = linear / (lay.b * seq)
+    return sympy.Float(round(static), 12) + sympy.Float(per_token, 6) * b * s
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def _layout_dict(c: Candidate) -> dict:
+    lay = c.layout
+    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "schedule": lay.schedule,
+            "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero}
+
+
+def candidate_dict(c: Candidate) -> dict:
+    d = _layout_dict(c)
+    d["status"] = c.status
+    d["reason"] = c.reason
+    if c.estimate is not None:
+        d["predicted_step_time_s"] = c.estimate.step_time
+        d["peak_memory_bytes"] = [float(x) for x in c.estimate.peak_memory]
+        d["recompute_stages"] = [i for i, r in enumerate(c.estimate.partition.recompute) if r]
+    return d
+
+
+def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = False) -> dict:
+    c = res.chosen
+    out: dict = {"model": res.evaluator.profile.name, "gpus": res.request.gpus,
+                 "device": res.evaluator.device.name, "global_batch": res.request.global_batch,
+                 "seq_len": res.evaluator.profile.seq_len, "precision": res.evaluator.precision.name,
+                 "memory_limit_bytes": res.request.memory_limit, "feasible": c is not None}
+    out.update(profile_info)
+    out["search_s"] = res.search_s
+    out["solver"] = solver_summary(res)
+    if c is not None:
+        est = c.estimate
+        out.update(_layout_dict(c))
+        rows = stage_rows(res, est)
+        out["stage_boundaries"] = [[r["first"], r["last"]] for r in rows]
+        out["stage_units"] = [r["units"] for r in rows]
+        out["stage_to_rank"] = list(est.stage_to_rank)
+        out["recompute_stages"] = [r["stage"] for r in rows if r["recompute"]]
+        units = res.evaluator.units
+        if all(u.cut is not None for u in units):
+            out["stage_cuts"] = [units[b].cut for b in est.partition.bounds[1:-1]]
+        out["predicted_step_time_s"] = est.step_time
+        out["predicted_breakdown_s"] = {"pipeline": est.makespan_s, "dp_exposed": est.dp_exposed_s,
+                                        "optimizer": est.optimizer_s}
+        out["tokens_per_s"] = est.tokens_per_s
+        out["mfu"] = est.mfu
+        out["bubble"] = est.bubble
+        out["peak_memory_bytes"] = [float(x) for x in est.peak_memory]
+        out["memory_breakdown_bytes"] = [{k: float(v) for k, v in row.items()} for row in est.memory]
+        out["memory_formula"] = [str(memory_formula(res, est, r)) for r in range(len(est.memory))]
+        out["stages"] = rows
+    alts = [x for x in res.feasible() if x is not c][:top]
+    others = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
+    rej = [x for x in res.candidates if x.status == "rejected"][:top]
+    out["alternatives"] = [candidate_dict(x) for x in alts + others + rej]
+    if include_all:
+        out["candidates"] = [candidate_dict(x) for x in res.feasible()]
+    if c is None:
+        close = res.closest()
+        if close is not None:
+            out["closest"] = candidate_dict(close)
+            out["min_memory_needed_bytes"] = float(max(close.estimate.peak_memory))
+    return out
+
+
+def solver_summary(res: PlanResult) -> dict:
+    runs = res.ilp_runs
+    gaps = [r.gap for r in runs if r.gap is not None]
+    return {"ilp_solves": len(runs), "statuses": sorted({r.status for r in runs}),
+            "solver_s": res.solver_s, "max_gap_vs_balanced_bound": max(gaps) if gaps else None,
+            "simulated": sum(1 for c in res.candidates if c.estimate is not None),
+            "layouts": sum(1 for c in res.candidates if c.status != "rejected")}
+
+
+_TEXT_COLS = {"stage", "rank", "pp", "why not chosen"}
+
+
+def _table(header: list[str], rows: list[list]) -> list[str]:
+    cells = [header] + [[str(x) for x in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    out = ["  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(header))]
+    last = len(header) - 1  # first and last columns are text (left-aligned), the rest numbers
+    out += ["  " + "  ".join(r[i].ljust(w[i]) if i in (0, last) and header[i] in _TEXT_COLS else r[i].rjust(w[i])
+                             for i in range(len(r))).rstrip() for r in cells[1:]]
+    return out
+
+
+def _why_lost(c: Candidate) -> str:
+    return c.reason or c.status
+
+
+def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = False) -> str:
+    ev, req = res.evaluator, res.request
+    prof = ev.profile
+    L = [f"autopar plan: {prof.name} on {req.gpus} x {ev.device.name} "
+         f"({req.memory_limit / GiB:.1f} GiB each), global batch {req.global_batch}"
+         + (f" x {prof.seq_len} tokens" if prof.seq_len else ""),
+         f"  {prof.total_params / 1e9:.3g}B parameters in {len(prof.units)} units "
+         f"({len(prof.kinds)} distinct); {ev.precision.name}",
+         f"  capture {profile_info.get('capture_s', 0):.1f} s, unit traces {profile_info.get('trace_s', 0):.1f} s, "
+         f"search {res.search_s:.2f} s (of which ILP {res.solver_s:.2f} s)"]
+    s = solver_summary(res)
+    gap = s["max_gap_vs_balanced_bound"]
+    L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs (CBC): {', '.join(s['statuses']) or '-'}; "
+             f"largest gap to the perfectly balanced bound {'-' if gap is None else f'{gap * 100:.1f}%'}; "
+             f"{s['simulated']} of {s['layouts']} layouts simulated")
+    c = res.chosen
+    if c is None:
+        L.append("")
+        L.append("NO PLAN FITS.")
+        close = res.closest()
+        if close is not None:
+            need = max(close.estimate.peak_memory)
+            L.append(f"  the smallest per-device memory any simulated plan needs is {need / GiB:.2f} GiB "
+                     f"(limit {req.memory_limit / GiB:.2f} GiB)")
+            L.append(f"  closest plan: {close.layout.label()} ({close.reason})")
+        L.append("  fix: more devices (--gpus), a device with more memory (--device/--memory), "
+                 "or a smaller --global-batch / --seq")
+        return "\n".join(L)
+    est = c.estimate
+    lay = c.layout
+    L += ["", "chosen plan",
+          f"  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
+          f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
+          f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "
+          f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
+          f"bubble {est.bubble * 100:.1f}%", "", "stages"]
+    rows = stage_rows(res, est)
+    L += _table(["stage", "rank", "first", "last", "units", "recompute", "F ms", "I ms", "W ms"],
+                [[r["stage"], r["rank"], r["first"], r["last"], r["units"][1] - r["units"][0],
+                  "yes" if r["recompute"] else "no", f"{r['F_s'] * 1e3:.3g}", f"{r['I_s'] * 1e3:.3g}",
+                  f"{r['W_s'] * 1e3:.3g}"] for r in rows])
+    L += ["", f"memory per pp rank, GiB (limit {req.memory_limit / GiB:.2f})"]
+    keys = list(est.memory[0].keys())
+    L += _table(["rank"] + keys + ["total", "headroom"],
+                [[r] + [_gib(est.memory[r][k]) for k in keys] + [_gib(est.peak_memory[r]),
+                                                                   _gib(req.memory_limit - est.peak_memory[r])]
+                 for r in range(len(est.memory))])
+    worst = max(range(len(est.peak_memory)), key=est.peak_memory.__getitem__)
+    L.append(f"  rank {worst} (heaviest): M(b, s) = {memory_formula(res, est, worst)} bytes "
+             f"at b={lay.b}, s={prof.seq_len}")
+    alts = [x for x in res.feasible() if x is not c][:top]
+    ooms = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
+    rej = [x for x in res.candidates if x.status == "rejected"][:top]
+    L += ["", f"alternatives (top {top} feasible, then the closest that do not fit, then rejected layouts)"]
+    L += _table(["pp", "dp", "cp", "ep", "schedule", "m", "b", "zero", "step s", "peak GiB", "why not chosen"],
+                [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.m, x.layout.b,
+                  x.layout.zero, f"{x.time:.4g}" if x.estimate else "-",
+                  _gib(max(x.estimate.peak_memory)) if x.estimate else "-", _why_lost(x)]
+                 for x in alts + ooms + rej])
+    if include_all:
+        feas = res.feasible()
+        L += ["", f"every feasible candidate ({len(feas)})"]
+        L += _table(["pp", "dp", "cp", "ep", "schedule", "v", "m", "b", "zero", "step s", "peak GiB"],
+                    [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.v,
+                      x.layout.m, x.layout.b, x.layout.zero, f"{x.time:.6g}", _gib(max(x.estimate.peak_memory))]
+                     for x in feas])
+    return "\n".join(L)

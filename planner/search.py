@@ -1,0 +1,341 @@
+"""The planner's search: every (pp, dp, cp, ep, schedule, microbatches, ZeRO) layout the world
+size and the batch allow, priced in three rounds of increasing cost:
+
+1. **screen** every layout with a closed-form estimate (balanced ranks, the schedule's bubble
+   formula) and reject the ones that cannot fit even perfectly balanced, or break a schedule
+   constraint (the reason is kept);
+2. **simulate** the most promising (all of them with ``exhaustive``): balanced stage
+   boundaries, the simulator's makespan and per-rank activation peak; a layout that does not fit
+   is retried with every stage recomputing;
+3. **solve** the stage-boundary ILP (:mod:`.ilp`) for the best simulated layouts: boundaries and
+   per-stage recompute under the memory limit; the ILP's boundaries are kept only when the
+   simulator agrees they are faster.
+
+The chosen plan is the fastest feasible candidate of round 2/3, so no listed feasible
+candidate is predicted faster; its predicted time is the simulator's makespan plus the
+data-parallel and optimizer terms (:class:`.estimate.Estimate`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from autopar.schedules import registry
+
+from .estimate import Estimate, Evaluator, GiB, Layout, Partition, divisors
+from .ilp import ILPResult, solve_partition
+from .profile import ModelProfile
+
+
+@dataclass(frozen=True)
+class Request:
+    gpus: int
+    global_batch: int
+    memory_limit: float                 # bytes per device
+    schedules: tuple[str, ...] = tuple(registry.names())
+    zero_levels: tuple[int, ...] = (0, 1, 2, 3)
+    allow_cp: bool = True
+    allow_ep: bool = True
+    max_cp: int = 64
+    max_microbatches: int = 1024
+    exhaustive: bool = False            # simulate every layout that passes the screen (--all)
+    top_simulate: int = 40
+    simulate_actions: int = 400_000     # budget of simulated actions in the default (not exhaustive) mode
+    zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
+    top_ilp: int = 4
+    ilp_time_limit: float = 2.0
+
+    def __post_init__(self):
+        if self.gpus < 1:
+            raise ValueError(f"autopar plan: --gpus must be >= 1, got {self.gpus}")
+        if self.global_batch < 1:
+            raise ValueError(f"autopar plan: --global-batch must be >= 1, got {self.global_batch}")
+        if self.memory_limit <= 0:
+            raise ValueError(f"autopar plan: the memory limit must be positive, got {self.memory_limit}")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    status: str                         # chosen | feasible | oom | rejected | screened
+    reason: str = ""
+    screen_time: float = math.inf       # closed-form estimate, seconds
+    estimate: Estimate | None = None
+    ilp: ILPResult | None = None
+
+    @property
+    def time(self) -> float:
+        return self.estimate.step_time if self.estimate is not None else math.inf
+
+
+@dataclass
+class PlanResult:
+    chosen: Candidate | None
+    candidates: list[Candidate]
+    evaluator: Evaluator
+    request: Request
+    search_s: float = 0.0
+    solver_s: float = 0.0
+    ilp_runs: list[ILPResult] = field(default_factory=list)
+
+    def feasible(self) -> list[Candidate]:
+        return sorted((c for c in self.candidates if c.status in ("chosen", "feasible")), key=_order)
+
+    def closest(self) -> Candidate | None:
+        """The simulated candidate with the smallest peak memory (for infeasible requests)."""
+        sims = [c for c in self.candidates if c.estimate is not None]
+        return min(sims, key=lambda c: (max(c.estimate.peak_memory), _order(c))) if sims else None
+
+
+def _order(c: Candidate):
+    lay = c.layout
+    return (round(c.time, 12), lay.pp, lay.cp, lay.ep, lay.zero, lay.schedule, lay.m)
+
+
+# ---------------------------------------------------------------------------------------------
+# partitions
+
+
+def balanced_partition(times: list[float], S: int) -> tuple[int, ...]:
+    """Contiguous split of ``times`` into S non-empty stages minimizing the largest stage sum."""
+    U = len(times)
+    if S > U:
+        raise ValueError(f"{S} stages but only {U} units")
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+
+    def cuts_for(limit: float):
+        bounds, start = [0], 0
+        for s in range(S - 1):
+            remaining = S - 1 - s  # stages still to place after this one
+            end = start + 1
+            while end < U - remaining and prefix[end + 1] - prefix[start] <= limit:
+                end += 1
+            bounds.append(end)
+            start = end
+        bounds.append(U)
+        ok = all(prefix[bounds[i + 1]] - prefix[bounds[i]] <= limit * (1 + 1e-12) for i in range(S))
+        return tuple(bounds), ok
+
+    lo, hi = max(times), prefix[-1]
+    best = cuts_for(hi)[0]
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        b, ok = cuts_for(mid)
+        if ok:
+            hi, best = mid, b
+        else:
+            lo = mid
+        if hi - lo <= 1e-9 * hi:
+            break
+    return best
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+
+_BUBBLE = {  # closed-form bubble per rank, in units of (F+I+W) per microbatch, times (p-1): screen only
+    "gpipe": 1.0, "1f1b": 1.0, "v-half": 0.5, "v-min": 0.67, "dualpipev": 0.4,
+}
+
+
+def _screen_bubble(name: str, p: int, v: int, f: float, i: float, w: float) -> float:
+    tot = f + i + w
+    if name == "interleaved-1f1b":
+        return (p - 1) * tot / v
+    if name == "zb-h1":
+        return (p - 1) * max(0.0, f + i - w)
+    if name in ("zb-h2", "zb-auto"):
+        return (p - 1) * 0.1 * tot
+    if name == "zbv":
+        return (p - 1) * f / 2
+    return (p - 1) * tot * _BUBBLE.get(name, 1.0)
+
+
+def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str], None]):
+    """Every layout the world size, batch and model allow (violations go to ``reject``)."""
+    N, U = req.gpus, len(profile.units)
+    seq = profile.seq_len or 1
+    for pp in divisors(N):
+        if pp > U:
+            continue
+        for cp in divisors(N // pp):
+            if cp > 1 and (not req.allow_cp or cp > req.max_cp or not profile.n_heads
+                           or profile.n_heads % cp or seq % cp):
+                continue
+            dp = N // (pp * cp)
+            if req.global_batch % dp:
+                continue
+            per_replica = req.global_batch // dp
+            eps = [1]
+            if profile.n_experts and req.allow_ep:
+                eps = [e for e in divisors(dp * cp) if profile.n_experts % e == 0]
+            zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
+            ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
+            names = ("1f1b",) if pp == 1 else req.schedules
+            for m in ms:
+                b = per_replica // m
+                for name in names:
+                    v = registry.default_stages_per_rank(name)
+                    if pp == 1:
+                        v = 1
+                    if pp * v > U:
+                        continue
+                    for ep in eps:
+                        for z in zeros:
+                            lay = Layout(pp, dp, cp, ep, name, v, m, b, z)
+                            try:
+                                registry.check(name, pp, m, v)
+                            except ValueError as e:
+                                reject(lay, str(e))
+                                continue
+                            if name == "zb-auto" and pp * m > req.zb_auto_max:
+                                reject(lay, f"zb-auto is searched only where pp*m <= {req.zb_auto_max} (its greedy "
+                                            f"search grows faster than pp*m); zb-h2 and zbv cover larger pipelines")
+                                continue
+                            yield lay
+
+
+def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], None] | None = None) -> PlanResult:
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    ev = Evaluator(profile, device, req.memory_limit, req.global_batch)
+    cands: list[Candidate] = []
+    rejected: list[Candidate] = []
+    rejected_seen = set()
+
+    def reject(lay: Layout, why: str) -> None:
+        key = (lay.schedule, why)
+        if key not in rejected_seen:  # one example per distinct reason is enough for the report
+            rejected_seen.add(key)
+            rejected.append(Candidate(lay, "rejected", why))
+
+    # round 1: screen
+    screen_cache: dict = {}
+    for lay in layouts(profile, req, reject):
+        c = _screen(ev, lay, screen_cache)
+        cands.append(c)
+    screened = [c for c in cands if c.status != "rejected"]
+    say(f"screened {len(cands)} layouts: {len(screened)} may fit, {len(cands) - len(screened)} cannot "
+        f"fit even with perfectly balanced stages")
+    screened.sort(key=lambda c: (c.screen_time, c.layout.pp, c.layout.cp, c.layout.zero, c.layout.schedule, c.layout.m))
+
+    # round 2: simulate
+    # default mode: in screen order, until top_simulate layouts or the action budget is spent, or
+    # the screen estimate falls 25% behind the best simulated step (the screen is not a bound:
+    # these stopping rules are what --all removes)
+    t_sim = time.perf_counter()
+    todo: list[Candidate] = []
+    spent = 0
+    best = math.inf
+    for c in screened:
+        if not req.exhaustive and todo:
+            if len(todo) >= req.top_simulate or (spent >= req.simulate_actions and best < math.inf):
+                break
+            if len(todo) >= 8 and c.screen_time > 1.25 * best:
+                break
+        _simulate(ev, c)
+        todo.append(c)
+        lay = c.layout
+        spent += 3 * lay.num_stages * lay.m
+        if c.status == "feasible":
+            best = min(best, c.time)
+        if len(todo) % 100 == 0:
+            say(f"  simulated {len(todo)} layouts")
+    for c in screened[len(todo):]:
+        c.status, c.reason = "screened", "not simulated: its closed-form estimate is behind the simulated ones"
+    say(f"simulated {len(todo)} layouts in {time.perf_counter() - t_sim:.1f} s")
+
+    # round 3: ILP on the best simulated layouts (and on OOM ones when nothing fits)
+    feas = sorted((c for c in todo if c.status == "feasible"), key=_order)
+    pool = feas[: req.top_ilp]
+    if not pool:
+        pool = sorted((c for c in todo if c.status == "oom"), key=lambda c: max(c.estimate.peak_memory))[: req.top_ilp]
+    t_ilp = time.perf_counter()
+    ilp_runs = []
+    for c in pool:
+        res = _refine(ev, c, req)
+        ilp_runs.append(res)
+    solver_s = time.perf_counter() - t_ilp
+    say(f"solved {len(ilp_runs)} stage-boundary ILPs in {solver_s:.2f} s "
+        f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
+
+    feas = sorted((c for c in cands if c.status == "feasible"), key=_order)
+    chosen = feas[0] if feas else None
+    if chosen is not None:
+        chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
+        for c in feas[1:]:
+            c.reason = f"{(c.time / chosen.time - 1) * 100:.1f}% slower ({c.time:.4g} s vs {chosen.time:.4g} s)"
+    return PlanResult(chosen=chosen, candidates=cands + rejected, evaluator=ev, request=req,
+                      search_s=time.perf_counter() - t0, solver_s=solver_s, ilp_runs=ilp_runs)
+
+
+def _unit_totals(ev: Evaluator, lay: Layout) -> list[float]:
+    return [sum(ev.unit_times(u.kind, lay)) for u in ev.units]
+
+
+def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
+    key = (lay.b, lay.cp, lay.ep, lay.dp, lay.zero)
+    sums = cache.get(key)
+    if sums is None:
+        tf = ti = tw = static = 0.0
+        for kind, n in ev.profile.runs():
+            f, i, w = ev.unit_times(kind, lay)
+            tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
+            static += n * ev.unit_static(kind, lay)
+        min_act = min(u.kind.in_bytes for u in ev.units) * ev.scale(lay)
+        sums = cache[key] = (tf, ti, tw, static, min_act)
+    tf, ti, tw, static, min_act = sums
+    p = lay.pp
+    f, i, w = tf / p, ti / p, tw / p
+    t = lay.m * (f + i + w) + _screen_bubble(lay.schedule, p, lay.v, f, i, w)
+    c = Candidate(lay, "screened", screen_time=t)
+    # cannot fit even perfectly balanced, with every stage recomputing (keeps only stage inputs)
+    need = static / p + min_act
+    if need > ev.memory_limit:
+        c.status = "rejected"
+        c.reason = (f"OOM even perfectly balanced with recomputation: parameters, gradients and optimizer "
+                    f"states alone need {need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB")
+    return c
+
+
+def _simulate(ev: Evaluator, c: Candidate) -> None:
+    lay = c.layout
+    S = lay.num_stages
+    bounds = balanced_partition(_unit_totals(ev, lay), S)
+    est = ev.evaluate(lay, Partition(bounds, (False,) * S))
+    if not est.feasible:
+        est2 = ev.evaluate(lay, Partition(bounds, (True,) * S))
+        if est2.feasible or max(est2.peak_memory) < max(est.peak_memory):
+            est = est2
+    c.estimate = est
+    _classify(c)
+
+
+def _classify(c: Candidate) -> None:
+    est = c.estimate
+    if est.feasible:
+        c.status, c.reason = "feasible", ""
+    else:
+        r, over = est.oom()
+        c.status, c.reason = "oom", f"OOM on rank {r} by {over / GiB:.2f} GiB"
+
+
+def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
+    lay = c.layout
+    sched = c.estimate.schedule_obj
+    if lay.schedule == "zb-auto":  # its order depends on the boundaries: plan memory with zb-h1's
+        sched = registry.build("zb-h1", lay.pp, lay.m, lay.v) if registry.GENERATORS["zb-h1"].constraints[0].ok(
+            lay.pp, lay.m, lay.v) else sched
+    frac = ev.i_free_fraction(c.estimate.partition)
+    res = solve_partition(ev, lay, sched, frac, time_limit=req.ilp_time_limit, warm=c.estimate.partition)
+    c.ilp = res
+    if res.partition is not None:
+        est = ev.evaluate(lay, res.partition)
+        if est.feasible and (not c.estimate.feasible or est.step_time < c.estimate.step_time):
+            c.estimate = est
+            _classify(c)
+    return res

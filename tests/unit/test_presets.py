@@ -1,0 +1,266 @@
+"""planner/presets (published model configs on meta) and the capacity-based MoE of examples/moe.py."""
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.examples.llama import Llama, LlamaConfig, MLAttention, apply_rope, llama_loss, make_llama, rope_tables
+from autopar.examples.moe import MoE, expert_capacity
+from autopar.passes import capture
+from autopar.planner import presets
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
+
+PUBLISHED = {
+    "gpt3-175b": 175e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.8e9,
+    "mixtral-8x7b": 46.7e9, "deepseek-v3": 671e9,
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------- presets
+
+def test_names_and_unknown_preset():
+    assert set(presets.names()) == set(PUBLISHED)
+    with pytest.raises(ValueError, match="known presets: .*llama3-8b"):
+        presets.build_preset("llama4-2t", seq_len=128)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_full_depth_parameter_count_matches_published(name):
+    count = presets.parameter_count(name)
+    assert abs(count / PUBLISHED[name] - 1) < 0.03, f"{name}: {count / 1e9:.2f}B vs {PUBLISHED[name] / 1e9}B"
+    assert presets.published_parameter_count(name) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_reduced_model_stands_for_full_depth(name):
+    full = presets.build_preset(name, seq_len=64, full_depth=True)
+    red = presets.build_preset(name, seq_len=64, microbatch_size=2)
+    assert full.layer_repeats == {k: 1 for k in full.layer_repeats}
+    assert len(full.layer_repeats) == full.num_layers == red.num_layers
+    assert sum(red.layer_repeats.values()) == red.num_layers
+    for p in (full, red):
+        assert all(t.device.type == "meta" and t.dtype == torch.bfloat16 for t in p.model.parameters())
+        assert p.inputs[0].shape == p.target.shape and p.target.dtype == torch.long
+    assert red.inputs[0].shape == (2, 64) and red.target.device.type == "meta"
+    # parameters of the reduced model, with each block counted layer_repeats times, = the full model
+    scaled = 0
+    for fqn, param in red.model.named_parameters():
+        block = next((b for b in red.layer_repeats if fqn.startswith(b + ".")), None)
+        scaled += param.numel() * (red.layer_repeats[block] if block else 1)
+    assert scaled == sum(param.numel() for param in full.model.parameters())
+    assert red.n_heads % red.n_kv_heads == 0
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_reduced_preset_captures_quickly(name):
+    p = presets.build_preset(name, seq_len=128)
+    t0 = time.perf_counter()
+    cap = capture(p.model, p.inputs, p.target, p.loss_fn)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 30, f"{name}: capture took {elapsed:.1f}s"
+    assert cap.node(cap.loss).meta["val"].shape == ()
+    assert set(cap.params.values()) == {n for n, _ in p.model.named_parameters()}
+    if p.n_experts:
+        experts = [f for f in cap.params.values() if any(s in f for s in p.expert_param_prefixes)]
+        assert experts and all(p.model.get_parameter(f).shape[0] == p.n_experts for f in experts)
+    else:
+        assert p.expert_param_prefixes == () and p.top_k == 0
+
+
+def test_moe_expert_flops_are_balanced_top_k_not_all_experts():
+    p = presets.build_preset("mixtral-8x7b", seq_len=128)
+    cap = capture(p.model, p.inputs, p.target, p.loss_fn)
+    bmm = sum(n.meta["autopar_flops"] for n in cap.gm.graph.nodes if n.target is torch.ops.aten.bmm.default)
+    tokens, d, h = 128, 4096, 14336
+    assert bmm == 2 * 3 * tokens * p.top_k * d * h  # capacity factor 1.0: exactly top_k dense FFNs per token
+
+
+def test_deepseek_preset_shapes():
+    p = presets.build_preset("deepseek-v3", seq_len=128)
+    m = p.model
+    assert (p.n_experts, p.top_k, p.num_layers) == (256, 8, 61)
+    assert p.layer_repeats == {"layers.0": 3, "layers.1": 58}
+    assert not m.layers[0].is_moe and m.layers[1].is_moe
+    assert m.layers[1].feed_forward.experts.w1.shape == (256, 7168, 2048)
+    assert m.layers[1].feed_forward.shared_expert.w1.weight.shape == (2048, 7168)
+    assert m.layers[0].feed_forward.w1.weight.shape == (18432, 7168)
+    att = m.layers[0].attention
+    assert att.wkv_a.weight.shape == (512 + 64, 7168) and att.wkv_b.weight.shape == (128 * 256, 512)
+    assert att.wq_b.weight.shape == (128 * 192, 1536) and att.wo.weight.shape == (7168, 128 * 128)
+
+
+# -------------------------------------------------------------------------------------------- MoE
+
+def _naive_moe(m: MoE, x: torch.Tensor, capacity: int | None = None):
+    """Per-token loop: sum over the token's kept top-k slots of gate * expert(x), plus shared experts.
+
+    With ``capacity``, assignments are admitted slot-major (every first choice, in token order,
+    then every second choice, ...) until their expert holds ``capacity``; the rest are dropped.
+    """
+    xf = x.reshape(-1, x.shape[-1])
+    ids, gates, _ = m.route(xf)
+    n, k = ids.shape
+    kept = torch.ones(n, k, dtype=torch.bool)
+    if capacity is not None:
+        load = [0] * m.n_experts
+        for s in range(k):
+            for t in range(n):
+                e = int(ids[t, s])
+                kept[t, s] = load[e] < capacity
+                load[e] += 1
+    rows = []
+    for t in range(n):
+        y = torch.zeros_like(xf[t])
+        for s in range(k):
+            if kept[t, s]:
+                y = y + gates[t, s].to(x.dtype) * m.experts.expert(int(ids[t, s]), xf[t])
+        if m.shared_expert is not None:
+            y = y + m.shared_expert(xf[t])
+        rows.append(y)
+    return torch.stack(rows).reshape(x.shape), kept
+
+
+_MOE_KINDS = {
+    "softmax": dict(),
+    "softmax_shared_no_renorm": dict(n_shared_experts=1, norm_topk_prob=False),
+    "deepseek": dict(n_shared_experts=2, score_func="sigmoid", route_scale=2.5, n_groups=2, topk_groups=1,
+                     selection_bias=True),
+}
+
+
+def _make_moe(kind: str, capacity_factor: float, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    m = MoE(16, 24, 4, 2, capacity_factor=capacity_factor, **_MOE_KINDS[kind])
+    if m.e_score_correction_bias is not None:
+        m.e_score_correction_bias.copy_(torch.tensor([0.3, -0.2, 0.0, 0.1]))
+    return m
+
+
+@pytest.mark.parametrize("kind", sorted(_MOE_KINDS))
+def test_moe_matches_naive_reference_without_drops(kind):
+    m = _make_moe(kind, capacity_factor=4 / 2)  # E / k: C = N, nothing can drop
+    x = torch.randn(3, 7, 16)
+    assert m.capacity(21) == 21
+    y, aux = m(x)
+    ref, kept = _naive_moe(m, x)
+    assert kept.all()
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
+    assert aux.shape == () and aux.item() > 0
+    # gradients (router included, through the gates) agree with the reference's too
+    w = torch.randn_like(y)
+    grads = torch.autograd.grad((y * w).sum(), list(m.parameters()))
+    ref_grads = torch.autograd.grad((ref * w).sum(), list(m.parameters()))
+    for g, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(g, rg, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["softmax", "deepseek"])
+def test_moe_drops_over_capacity_like_reference(kind):
+    m = _make_moe(kind, capacity_factor=0.5, seed=1)
+    x = torch.randn(2, 16, 16)
+    cap = m.capacity(32)
+    assert cap == expert_capacity(32, 4, 2, 0.5) == 8
+    y, _ = m(x)
+    ref, kept = _naive_moe(m, x, capacity=cap)
+    assert 0 < (~kept).sum() < kept.numel()  # some, not all, assignments dropped
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5)
+    # a token whose every slot was dropped gets the shared experts' output only (zero without them)
+    xf, yf = x.reshape(-1, 16), y.reshape(-1, 16)
+    gone = (~kept).all(dim=1)
+    if gone.any():
+        only = m.shared_expert(xf[gone]) if m.shared_expert is not None else torch.zeros_like(xf[gone])
+        torch.testing.assert_close(yf[gone], only, rtol=0, atol=1e-6)
+    # each expert receives at most `cap` kept assignments
+    ids, _, _ = m.route(xf)
+    load = torch.bincount(ids[kept], minlength=4)
+    assert load.max() <= cap
+
+
+def test_moe_balance_loss_is_weight_when_uniform():
+    m = MoE(8, 8, 4, 2, aux_loss_weight=0.5)
+    torch.nn.init.zeros_(m.router.weight)  # uniform probabilities; topk ties pick the same experts
+    _, aux = m(torch.randn(5, 8))
+    # P_e = 1/4 for every e; f sums to 1 -> aux = w * E * sum_e f_e / E = w
+    torch.testing.assert_close(aux, torch.tensor(0.5))
+
+
+def test_moe_exports_and_backward_through_export():
+    m = _make_moe("deepseek", capacity_factor=1.0)
+    x = torch.randn(2, 8, 16)
+    ep = torch.export.export(m, (x,), strict=False).run_decompositions({})
+    targets = {n.target for n in ep.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.bmm.default in targets
+    data_dependent = {torch.ops.aten.nonzero.default, torch.ops.aten.item.default,
+                      torch.ops.aten._local_scalar_dense.default}
+    assert not targets & data_dependent
+    em = ep.module()
+    y, aux = em(x)
+    y_ref, aux_ref = m(x)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(aux, aux_ref)
+    (y.square().mean() + aux).backward()
+    (y_ref.square().mean() + aux_ref).backward()
+    eager = dict(m.named_parameters())
+    for name, p in em.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+        torch.testing.assert_close(p.grad, eager[name].grad, rtol=1e-4, atol=1e-6)
+
+
+def test_tiny_moe_llama_trains():
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, seq_len=16,
+                      n_experts=4, top_k=2, expert_hidden=32, n_shared_experts=1, n_dense_layers=1)
+    model, (tokens,), target, loss_fn = make_llama(cfg, batch_size=4)
+    cap = capture(model, (tokens[:2],), target[:2], loss_fn)
+    assert cap.node(cap.loss).meta["val"].shape == ()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        opt.zero_grad()
+        loss = loss_fn(model(tokens), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.5
+
+
+def test_mla_matches_explicit_attention():
+    cfg = LlamaConfig(d_model=32, n_heads=4, seq_len=8, attention="mla", q_lora_rank=12, kv_lora_rank=10,
+                      qk_nope_head_dim=6, qk_rope_head_dim=4, v_head_dim=5)
+    torch.manual_seed(0)
+    att = MLAttention(cfg)
+    x = torch.randn(2, 8, 32)
+    cos, sin = rope_tables(4, 8, cfg.rope_theta)
+    y = att(x, cos, sin)
+    # explicit: per-head q = [nope | rope(q_pe)], k = [nope | rope(k_pe shared by heads)], causal softmax
+    b, t, h = 2, 8, 4
+    q = att.wq_b(att.q_norm(att.wq_a(x))).view(b, t, h, 10).transpose(1, 2)
+    kv, k_pe = att.wkv_a(x).split([10, 4], dim=-1)
+    kv = att.wkv_b(att.kv_norm(kv)).view(b, t, h, 11).transpose(1, 2)
+    k_pe = apply_rope(k_pe.unsqueeze(1), cos, sin)
+    q = torch.cat([q[..., :6], apply_rope(q[..., 6:], cos, sin)], dim=-1)
+    k = torch.cat([kv[..., :6], k_pe.expand(b, h, t, 4)], dim=-1)
+    scores = (q @ k.transpose(-1, -2)) / math.sqrt(10)
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    ref = att.wo((scores.softmax(-1) @ kv[..., 6:]).transpose(1, 2).reshape(b, t, h * 5))
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dense_llama_returns_logits_and_loss_is_cross_entropy():
+    model, (tokens,), target, loss_fn = make_llama(LlamaConfig(), batch_size=2)
+    logits = model(tokens)
+    assert isinstance(logits, torch.Tensor) and logits.shape == (2, 32, 256)
+    torch.testing.assert_close(loss_fn(logits, target), F.cross_entropy(logits.reshape(-1, 256), target.reshape(-1)))
+    assert isinstance(model, Llama) and llama_loss is loss_fn
