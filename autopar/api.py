@@ -28,7 +28,9 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``loss_fn(output, target)`` returns a scalar; None means the model's output is the loss.
     ``optimizer``: a callable taking an iterable of parameters, e.g.
     ``functools.partial(torch.optim.AdamW, lr=1e-3)``; None means no parameter update.
-    ``plan``: an ``autopar.Plan``; None means a single stage (pp=1).
+    ``plan``: an ``autopar.Plan``; None asks the planner (``autopar.planner``) for the current
+    world (the process group's size, or 1 in local mode) on the current device's profile, when
+    the graph is captured; rank 0 plans and every rank takes its plan; the choice is logged.
     ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
     for the first ``step`` (a loss_fn needs a target to be traced).
     ``timeout``: seconds a rank waits for a peer before reporting where every rank was
@@ -42,8 +44,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(example_inputs, torch.Tensor):
         example_inputs = (example_inputs,)
-    plan = plan or Plan(pp=1)
-    if _distributed():
+    if plan is not None and _distributed():
         world = torch.distributed.get_world_size()
         if plan.world_size != world:
             # raised on every rank, before any communication
@@ -72,7 +73,7 @@ class _Built:
 class ParallelModel:
     """A model split into pipeline stages with F/I/W programs, trained by ``step``."""
 
-    def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan,
+    def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan | None,
                  timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
                  bucket_bytes: int = 25 * 2**20):
         self.model = model
@@ -95,8 +96,10 @@ class ParallelModel:
         from autopar.passes.split_backward import StageInfo, differentiable_outputs
         from autopar.runtime import LocalPipeline
 
-        plan = self.plan
         batch = _batch_size(inputs, target)
+        if self.plan is None:
+            self.plan = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
+        plan = self.plan
         m = plan.num_microbatches or _default_microbatches(plan, batch)
         if batch % (plan.dp * m):
             raise ValueError(f"autopar: global batch {batch} is not divisible by dp*num_microbatches = "
@@ -183,8 +186,10 @@ class ParallelModel:
         if self._built is None:
             self._build(inputs, target)
         b = self._built
-        plan = self.plan
         batch = _batch_size(inputs, target)
+        if self.plan is None:
+            self.plan = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
+        plan = self.plan
         target_changed = target is not None and b.target_shape is not None and tuple(target.shape[1:]) != tuple(b.target_shape)
         if (batch != b.microbatch_size * plan.dp * b.num_microbatches or target_changed
                 or tuple(x.shape[1:] for x in inputs) != b.input_shapes):
@@ -295,6 +300,44 @@ class ParallelModel:
         if self._built is None:
             raise RuntimeError(f"autopar: {what} needs the captured program; pass example_target= to parallelize "
                                "or run one step first")
+
+
+def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> Plan:
+    """Ask the planner for this world; rank 0 decides (device profiles are measured per process,
+    so ranks could disagree) and broadcasts the plan."""
+    world = torch.distributed.get_world_size() if _distributed() else 1
+    rank = torch.distributed.get_rank() if _distributed() else 0
+    text = None
+    if rank == 0:
+        from autopar.planner import plan_model
+        from autopar.planner.devices import current_profile
+        from autopar.planner.report import text as report_text
+        from autopar.planner.search import to_plan
+
+        device = current_profile()
+        limit = float(device.memory_bytes)
+        if device.name == "cpu":  # the ranks' processes share this host's memory
+            limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        t0 = time.perf_counter()
+        res, info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
+                               memory_limit=limit, allow_cp=False, allow_ep=False, zero_levels=(0, 1),
+                               name=type(model).__name__, progress=lambda msg: log.info("autopar planner: %s", msg))
+        if res.chosen is None:
+            text = "error:" + report_text(res, info)
+        else:
+            chosen = to_plan(res, res.chosen)
+            est = res.chosen.estimate
+            log.info("autopar: planner chose %s (predicted step %.4g s, peak memory %.3g GiB on the heaviest "
+                     "rank) in %.1f s", chosen.to_json(), est.step_time, max(est.peak_memory) / 2**30,
+                     time.perf_counter() - t0)
+            text = chosen.to_json()
+    if _distributed():
+        box = [text]
+        torch.distributed.broadcast_object_list(box, src=0)
+        text = box[0]
+    if text.startswith("error:"):
+        raise ValueError("autopar: no plan fits this world; the planner's report:\n" + text[len("error:"):])
+    return Plan.from_json(text)
 
 
 def _distributed() -> bool:

@@ -16,6 +16,7 @@ bytes) and replays its forward inside I.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import pulp
@@ -128,7 +129,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
         return sum(_fixed_memory(ev, lay, work, out_max).values()) / MS
 
     prob = pulp.LpProblem("stage_boundaries", pulp.LpMinimize)
-    y = [pulp.LpVariable(f"y{s}", lowBound=0, upBound=U, cat="Integer") for s in range(S + 1)]
+    y = [_var(prob, f"y{s}", lowBound=0, upBound=U, cat="Integer") for s in range(S + 1)]
     prob += y[0] == 0
     prob += y[S] == U
     for s in range(S):
@@ -144,9 +145,9 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
             if s == S:
                 a[s, k] = L
                 continue
-            lo = pulp.LpVariable(f"lo{s}_{k}", cat="Binary")   # y <= P: none of run k yet
-            hi = pulp.LpVariable(f"hi{s}_{k}", cat="Binary")   # y >= P + L: all of run k
-            av = pulp.LpVariable(f"a{s}_{k}", lowBound=0, upBound=L)
+            lo = _var(prob, f"lo{s}_{k}", cat="Binary")   # y <= P: none of run k yet
+            hi = _var(prob, f"hi{s}_{k}", cat="Binary")   # y >= P + L: all of run k
+            av = _var(prob, f"a{s}_{k}", lowBound=0, upBound=L)
             M = U + L
             prob += lo + hi <= 1
             prob += y[s] <= P + M * (1 - lo)
@@ -160,7 +161,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
             a[s, k] = av
             binaries[s, k] = (lo, hi)
     n = {(s, k): a[s + 1, k] - a[s, k] for s in range(S) for k in range(K)}
-    r = [pulp.LpVariable(f"r{s}", cat="Binary") if allow_recompute else 0 for s in range(S)]
+    r = [_var(prob, f"r{s}", cat="Binary") if allow_recompute else 0 for s in range(S)]
     t_max = sum(t * L for t, (_, L) in zip(t_unit, runs))
     f_max = sum(t * L for t, (_, L) in zip(f_unit, runs))
     a_max = sum(x * L for x, (_, L) in zip(act_unit, runs))
@@ -169,9 +170,9 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
         fs = pulp.lpSum(n[s, k] * f_unit[k] for k in range(K))
         ac = pulp.lpSum(n[s, k] * act_unit[k] for k in range(K))
         if allow_recompute:
-            e = pulp.LpVariable(f"e{s}", lowBound=0)
+            e = _var(prob, f"e{s}", lowBound=0)
             prob += e >= fs - f_max * (1 - r[s])
-            A = pulp.LpVariable(f"A{s}", lowBound=0)
+            A = _var(prob, f"A{s}", lowBound=0)
             prob += A >= ac - a_max * r[s]
             prob += A >= in_max * r[s]
             extra.append(e)
@@ -179,7 +180,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
         else:
             extra.append(0)
             act.append(ac)
-    z = pulp.LpVariable("z", lowBound=0)
+    z = _var(prob, "z", lowBound=0)
     for rank in range(lay.pp):
         stages = [s for s in range(S) if s2r[s] == rank]
         prob += z >= pulp.lpSum(pulp.lpSum(n[s, k] * t_unit[k] for k in range(K)) + extra[s] for s in stages)
@@ -193,7 +194,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
     if warm is not None and len(warm.bounds) == S + 1:
         _set_warm_start(warm, y, a, binaries, r, extra, act, z, runs, starts, f_unit, act_unit, t_unit,
                         in_max, f_max, a_max, s2r, lay.pp, allow_recompute)
-    solver = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=warm is not None)
+    solver = make_solver(time_limit, warm_start=warm is not None)
     prob.solve(solver)
     secs = time.perf_counter() - t0
     bound = t_max * TS / lay.pp  # seconds
@@ -206,6 +207,34 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
     if prob.sol_status == pulp.LpSolutionIntegerFeasible or secs >= time_limit * 0.98:
         label = "time limit (feasible, not proven optimal)"
     return ILPResult(Partition(tuple(ys), rc), label, float(pulp.value(z)) * TS, bound, secs)
+
+
+def _var(prob, name: str, lowBound=None, upBound=None, cat: str = "Continuous"):
+    add = getattr(prob, "add_variable", None)  # PuLP >= 3.3; LpVariable(...) before
+    if add is not None:
+        return add(name, lowBound, upBound, cat)
+    return pulp.LpVariable(name, lowBound=lowBound, upBound=upBound, cat=cat)
+
+
+def solver_name() -> str:
+    return "HiGHS" if _highs_available() else "CBC"
+
+
+def _highs_available() -> bool:
+    try:
+        return bool(pulp.HiGHS(msg=False).available())
+    except Exception:  # noqa: BLE001 - any failure means: not usable
+        return False
+
+
+def make_solver(time_limit: float, warm_start: bool = False):
+    """HiGHS when installed (highspy), else the CBC binary bundled with PuLP; one thread, so
+    the same input gives the same plan."""
+    if _highs_available():
+        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces CBC's unbundling in 4.0
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=warm_start)
 
 
 def _set_warm_start(part, y, a, binaries, r, extra, act, z, runs, starts, f_unit, act_unit, t_unit,

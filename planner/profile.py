@@ -335,7 +335,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     is_expert = (lambda fqn: any(p in fqn for p in expert_prefixes)) if expert_prefixes else (lambda fqn: False)
     for st, label in zip(stages, labels):
         irg = {name_: needs.get(name_, False) for name_ in st.inputs}
-        sig = (_signature(st), tuple(sorted(irg.items())))
+        sig = (_signature(st), tuple(irg[name_] for name_ in st.inputs))
         diff = differentiable_outputs(st, irg, trainable)
         needs = {o: (o in diff) for o in st.outputs}
         if sig not in kinds:

@@ -1,6 +1,8 @@
 """The planner's output: a terminal report (tables) and one JSON object (design.md §4)."""
 from __future__ import annotations
 
+import re
+
 import sympy
 
 from .estimate import Estimate, GiB
@@ -91,7 +93,7 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         out["stages"] = rows
     alts = [x for x in res.feasible() if x is not c][:top]
     others = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
-    rej = [x for x in res.candidates if x.status == "rejected"][:top]
+    rej = _distinct_rejections(res, top)
     out["alternatives"] = [candidate_dict(x) for x in alts + others + rej]
     if include_all:
         out["candidates"] = [candidate_dict(x) for x in res.feasible()]
@@ -106,7 +108,9 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
 def solver_summary(res: PlanResult) -> dict:
     runs = res.ilp_runs
     gaps = [r.gap for r in runs if r.gap is not None]
-    return {"ilp_solves": len(runs), "statuses": sorted({r.status for r in runs}),
+    from .ilp import solver_name
+
+    return {"solver": solver_name(), "ilp_solves": len(runs), "statuses": sorted({r.status for r in runs}),
             "solver_s": res.solver_s, "max_gap_vs_balanced_bound": max(gaps) if gaps else None,
             "simulated": sum(1 for c in res.candidates if c.estimate is not None),
             "layouts": sum(1 for c in res.candidates if c.status != "rejected")}
@@ -118,11 +122,45 @@ _TEXT_COLS = {"stage", "rank", "pp", "why not chosen"}
 def _table(header: list[str], rows: list[list]) -> list[str]:
     cells = [header] + [[str(x) for x in r] for r in rows]
     w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    out = ["  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(header))]
+    out = ["  " + "  ".join(h.ljust(w[i]) for i, h in enumerate(header)).rstrip()]
     last = len(header) - 1  # first and last columns are text (left-aligned), the rest numbers
     out += ["  " + "  ".join(r[i].ljust(w[i]) if i in (0, last) and header[i] in _TEXT_COLS else r[i].rjust(w[i])
                              for i in range(len(r))).rstrip() for r in cells[1:]]
     return out
+
+
+def _collapse(rows: list[list], ranged: tuple[int, ...], keep_first: tuple[int, ...] = (),
+              keep_last: tuple[int, ...] = ()) -> list[list]:
+    """Merge runs of rows equal outside the ``ranged``/``keep_*`` columns: ``ranged`` columns
+    become "a-b", ``keep_first``/``keep_last`` columns show the run's first/last value."""
+    skip = set(ranged) | set(keep_first) | set(keep_last)
+    out: list[list] = []
+    start = None
+    for r in rows:
+        sig = [x for i, x in enumerate(r) if i not in skip]
+        if out and start is not None and sig == [x for i, x in enumerate(start) if i not in skip]:
+            last = out[-1]
+            for i in ranged:
+                last[i] = f"{str(last[i]).split('-')[0]}-{r[i]}"
+            for i in keep_last:
+                last[i] = r[i]
+        else:
+            out.append(list(r))
+            start = r
+    return out
+
+
+def _distinct_rejections(res: PlanResult, top: int) -> list[Candidate]:
+    """Up to ``top`` rejected layouts with different reasons (numbers aside)."""
+    seen, out = set(), []
+    for c in res.candidates:
+        if c.status != "rejected":
+            continue
+        key = re.sub(r"[0-9.]+", "#", c.reason)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out[:top]
 
 
 def _why_lost(c: Candidate) -> str:
@@ -141,7 +179,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
          f"search {res.search_s:.2f} s (of which ILP {res.solver_s:.2f} s)"]
     s = solver_summary(res)
     gap = s["max_gap_vs_balanced_bound"]
-    L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs (CBC): {', '.join(s['statuses']) or '-'}; "
+    L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs ({s['solver']}): {', '.join(s['statuses']) or '-'}; "
              f"largest gap to the perfectly balanced bound {'-' if gap is None else f'{gap * 100:.1f}%'}; "
              f"{s['simulated']} of {s['layouts']} layouts simulated")
     c = res.chosen
@@ -166,22 +204,24 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
           f"bubble {est.bubble * 100:.1f}%", "", "stages"]
     rows = stage_rows(res, est)
-    L += _table(["stage", "rank", "first", "last", "units", "recompute", "F ms", "I ms", "W ms"],
-                [[r["stage"], r["rank"], r["first"], r["last"], r["units"][1] - r["units"][0],
-                  "yes" if r["recompute"] else "no", f"{r['F_s'] * 1e3:.3g}", f"{r['I_s'] * 1e3:.3g}",
-                  f"{r['W_s'] * 1e3:.3g}"] for r in rows])
+    srows = [[r["stage"], r["rank"], r["first"], r["last"], r["units"][1] - r["units"][0],
+              "yes" if r["recompute"] else "no", f"{r['F_s'] * 1e3:.3g}", f"{r['I_s'] * 1e3:.3g}",
+              f"{r['W_s'] * 1e3:.3g}"] for r in rows]
+    if lay.v == 1:  # one stage per rank: runs of identical stages print as one row
+        srows = _collapse(srows, ranged=(0, 1), keep_first=(2,), keep_last=(3,))
+    L += _table(["stage", "rank", "first", "last", "units", "recompute", "F ms", "I ms", "W ms"], srows)
     L += ["", f"memory per pp rank, GiB (limit {req.memory_limit / GiB:.2f})"]
     keys = list(est.memory[0].keys())
     L += _table(["rank"] + keys + ["total", "headroom"],
-                [[r] + [_gib(est.memory[r][k]) for k in keys] + [_gib(est.peak_memory[r]),
-                                                                   _gib(req.memory_limit - est.peak_memory[r])]
-                 for r in range(len(est.memory))])
+                _collapse([[r] + [_gib(est.memory[r][k]) for k in keys] + [_gib(est.peak_memory[r]),
+                                                                             _gib(req.memory_limit - est.peak_memory[r])]
+                           for r in range(len(est.memory))], ranged=(0,)))
     worst = max(range(len(est.peak_memory)), key=est.peak_memory.__getitem__)
     L.append(f"  rank {worst} (heaviest): M(b, s) = {memory_formula(res, est, worst)} bytes "
              f"at b={lay.b}, s={prof.seq_len}")
     alts = [x for x in res.feasible() if x is not c][:top]
     ooms = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
-    rej = [x for x in res.candidates if x.status == "rejected"][:top]
+    rej = _distinct_rejections(res, top)
     L += ["", f"alternatives (top {top} feasible, then the closest that do not fit, then rejected layouts)"]
     L += _table(["pp", "dp", "cp", "ep", "schedule", "m", "b", "zero", "step s", "peak GiB", "why not chosen"],
                 [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.m, x.layout.b,

@@ -62,6 +62,7 @@ class Candidate:
     status: str                         # chosen | feasible | oom | rejected | screened
     reason: str = ""
     screen_time: float = math.inf       # closed-form estimate, seconds
+    screen_need: float = 0.0            # bytes per rank it needs at least (perfect balance, recompute)
     estimate: Estimate | None = None
     ilp: ILPResult | None = None
 
@@ -264,6 +265,10 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
 
     feas = sorted((c for c in cands if c.status == "feasible"), key=_order)
+    if not feas and not todo:
+        # nothing passed the screen: simulate the least hungry layouts, to say how close they come
+        for c in sorted((c for c in cands if c.status == "rejected"), key=lambda c: c.screen_need)[:5]:
+            _simulate(ev, c)
     chosen = feas[0] if feas else None
     if chosen is not None:
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
@@ -295,6 +300,7 @@ def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
     c = Candidate(lay, "screened", screen_time=t)
     # cannot fit even perfectly balanced, with every stage recomputing (keeps only stage inputs)
     need = static / p + min_act
+    c.screen_need = need
     if need > ev.memory_limit:
         c.status = "rejected"
         c.reason = (f"OOM even perfectly balanced with recomputation: parameters, gradients and optimizer "
@@ -339,3 +345,31 @@ def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
             c.estimate = est
             _classify(c)
     return res
+
+
+def price(ev: Evaluator, lay: Layout, req: Request | None = None, refine: bool = True) -> Candidate:
+    """Price one layout as the search would (balanced boundaries, recompute if needed, then
+    the ILP when ``refine``): for benchmarks that compare a chosen layout with a measurement."""
+    req = req or Request(gpus=lay.world, global_batch=ev.global_batch, memory_limit=ev.memory_limit)
+    registry.check(lay.schedule, lay.pp, lay.m, lay.v)
+    c = Candidate(lay, "screened")
+    _simulate(ev, c)
+    if refine and lay.num_stages > 1:
+        _refine(ev, c, req)
+    return c
+
+
+def to_plan(res_or_ev, cand: Candidate):
+    """The runtime's ``autopar.Plan`` for a candidate whose units map to captured-graph cuts."""
+    from autopar.plan import Plan
+
+    ev = res_or_ev.evaluator if isinstance(res_or_ev, PlanResult) else res_or_ev
+    est, lay = cand.estimate, cand.layout
+    units = ev.units
+    cuts = [units[b].cut for b in est.partition.bounds[1:-1]]
+    if any(c is None for c in cuts):
+        raise ValueError("this profile's units do not map to graph positions (a preset built at reduced depth); "
+                         "plan the full model to run it")
+    return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule, num_microbatches=lay.m,
+                stages_per_rank=lay.v, stage_cuts=tuple(cuts),
+                recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero)
