@@ -12,9 +12,15 @@ updated parameters. ``step = makespan + dp_exposed + optimizer``.
 
 Memory, per rank, the heaviest rank decides:
   parameters, gradients and optimizer states (sharded over dp*cp by the ZeRO level; expert
-  weights split over ep), the saved activations at the schedule's peak (the simulator's own
-  accounting, with each stage's saved bytes), the largest transient working set of one unit,
-  P2P buffers, DP bucket buffers, ZeRO-3 gather buffers, and a fixed runtime overhead.
+  weights split over ep; a parameter several units share, e.g. a tied embedding/head, once
+  per rank), the saved activations at the schedule's peak (walking each rank's actions in
+  order: F adds what the stage saves, I changes it to what W still needs, which includes the
+  values I computes for W and can be MORE than F saved, W frees the rest, B frees all), the largest transient working set of one unit, the
+  gradient outputs of one stage's backward (the W/B program returns every parameter gradient
+  of the stage before the runtime adds them into ``.grad``, so during a W/B a second,
+  per-microbatch copy of the stage's gradients is live), P2P buffers (the runtime keeps every
+  sent tensor until the end of the step: m per boundary and direction, plus two receive
+  buffers in flight), DP bucket buffers, ZeRO-3 gather buffers, and a fixed runtime overhead.
 Rank layout: cp varies fastest, then dp, then pp (so cp and dp groups stay inside a node when
 they can); ep groups are drawn from the dp*cp ranks of one stage.
 """
@@ -230,6 +236,42 @@ class Evaluator:
             fr.append(0.0 if rc or saved <= 0 else max(0.0, 1.0 - after / saved))
         return min(fr) if fr else 0.5
 
+    def activation_peaks(self, sched, lay: Layout, part: Partition) -> tuple[float, ...]:
+        """Per-rank peak of saved activations over the schedule's action order (bytes).
+
+        Like ``schedules.simulate.peak_memory`` with per-stage amounts, except that I may add
+        memory: after I a microbatch holds what W reads (``saved_after_i``), the saved values
+        plus what I computed for W, which can exceed what F saved. A recomputing stage keeps
+        only its input until I, and its I/W pair is counted as keeping that."""
+        from autopar.schedules.ir import B, F, I, W
+
+        sc = self.scale(lay)
+        after_f, after_i = [], []
+        for kinds, rc in zip(self.stage_kinds(part), part.recompute):
+            if rc:
+                a = kinds[0].in_bytes * sc
+                after_f.append(a)
+                after_i.append(a)
+            else:
+                after_f.append(sum(k.saved_bytes for k in kinds) * sc)
+                after_i.append(sum(k.saved_after_i for k in kinds) * sc)
+        peaks = []
+        for acts in sched.actions:
+            mem = peak = 0.0
+            for a in acts:
+                s = a.stage
+                if a.type == F:
+                    mem += after_f[s]
+                elif a.type == I:
+                    mem += after_i[s] - after_f[s]
+                elif a.type == W:
+                    mem -= after_i[s]
+                elif a.type == B:
+                    mem -= after_f[s]
+                peak = max(peak, mem)
+            peaks.append(peak)
+        return tuple(peaks)
+
     def message_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
         b = part.bounds
         return tuple(self.units[b[s + 1] - 1].kind.out_bytes * self.scale(lay) for s in range(len(b) - 2))
@@ -256,7 +298,70 @@ class Evaluator:
         static = [0.0] * lay.pp
         for s, kinds in enumerate(self.stage_kinds(part)):
             static[s2r[s]] += sum(self.unit_static(k, lay) for k in kinds)
+        per_elem = self.unit_static_per_param(lay)
+        for r in range(lay.pp):
+            static[r] -= self.shared_duplicates(part, [s for s in range(len(s2r)) if s2r[s] == r]) * per_elem
         return static
+
+    def unit_static_per_param(self, lay: Layout) -> float:
+        d = lay.dp * lay.cp
+        p = self.precision
+        return (p.weight / (d if lay.zero >= 3 else 1) + p.grad / (d if lay.zero >= 2 else 1)
+                + p.optim / (d if lay.zero >= 1 else 1))
+
+    def shared_duplicates(self, part: Partition, stages) -> float:
+        """Parameter elements counted more than once when ``stages`` are held together (a tied
+        weight in two of them is one tensor, one gradient, one optimizer state)."""
+        shared = getattr(self.profile, "shared_params", ())
+        if not shared:
+            return 0.0
+        b = part.bounds
+        held = [u for s in stages for u in range(b[s], b[s + 1])]
+        extra = 0.0
+        for units, numel in shared:
+            c = sum(1 for u in held if u in units)
+            if c > 1:
+                extra += (c - 1) * numel
+        return extra
+
+    def rank_params(self, lay: Layout, part: Partition, s2r, rank: int) -> float:
+        """Parameter elements one rank holds (before ZeRO sharding), shared ones once."""
+        stages = [s for s in range(len(s2r)) if s2r[s] == rank]
+        kinds = self.stage_kinds(part)
+        return sum(self.unit_params(k, lay) for s in stages for k in kinds[s]) - self.shared_duplicates(part, stages)
+
+    def grad_output_bytes(self, lay: Layout, part: Partition, s2r, rank: int) -> float:
+        """The largest set of parameter gradients one W/B program of this rank returns at once
+        (one stage's, in the parameters' dtype), live beside ``.grad`` until accumulated."""
+        kinds = self.stage_kinds(part)
+        best = 0.0
+        for s in range(len(s2r)):
+            if s2r[s] == rank:
+                n = sum(self.unit_params(k, lay) for k in kinds[s]) - self.shared_duplicates(part, [s])
+                best = max(best, n * self.precision.weight)
+        return best
+
+    def p2p_bytes(self, lay: Layout, part: Partition, s2r, rank: int) -> float:
+        """Sent tensors the runtime holds until the end of the step (each stage boundary that
+        crosses ranks: m activations forward, m gradients back) plus two receive buffers."""
+        if lay.pp == 1:
+            return 0.0
+        sc = self.scale(lay)
+        b = part.bounds
+        S = len(b) - 1
+        held = recv = 0.0
+        for s in range(S):
+            if s2r[s] != rank:
+                continue
+            if s + 1 < S and s2r[s + 1] != rank:   # sends activations forward, receives their gradients
+                out = self.units[b[s + 1] - 1].kind.out_bytes * sc
+                held += lay.m * out
+                recv = max(recv, out)
+            if s > 0 and s2r[s - 1] != rank:       # receives activations, sends their gradients back
+                inp = self.units[b[s]].kind.in_bytes * sc
+                held += lay.m * inp
+                recv = max(recv, inp)
+        return held + 2 * recv
 
     def evaluate(self, lay: Layout, part: Partition) -> Estimate:
         costs = self.stage_costs(lay, part)
@@ -272,7 +377,7 @@ class Evaluator:
             sim = simulate(sched, costs, p2p_latency=links["pp"].alpha_s, p2p_bandwidth=links["pp"].bandwidth,
                            message_bytes=msg, stage_bytes=sb, i_free_fraction=frac)
             self._sims[key] = sim
-        memory, peaks = self.memory(lay, part, s2r, sim.peak_memory)
+        memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part))
         # DP: gradient reduction overlapped with the rank's last backward; ZeRO-1/2 gather after the step
         d = lay.dp * lay.cp
         dp_exposed = 0.0
@@ -281,7 +386,7 @@ class Evaluator:
         for r in range(lay.pp):
             stages = [s for s in range(len(s2r)) if s2r[s] == r]
             kinds = [k for s in stages for k in self.stage_kinds(part)[s]]
-            n = sum(self.unit_params(k, lay) for k in kinds)
+            n = self.rank_params(lay, part, s2r, r)
             tensors = sum(k.param_tensors for k in kinds)
             last_bwd = sum(costs.i[s] + costs.w[s] for s in stages)
             exposed = 0.0
@@ -311,6 +416,11 @@ class Evaluator:
         est.mfu = flops / (est.step_time * lay.world * peak)
         return est
 
+    def peak_memory_only(self, lay: Layout, part: Partition) -> list[float]:
+        """Per-rank peak bytes of a fixed-order schedule, without timing it."""
+        sched = build(lay.schedule, lay.pp, lay.m, lay.v)
+        return self.memory(lay, part, sched.stage_to_rank, self.activation_peaks(sched, lay, part))[1]
+
     def memory(self, lay: Layout, part: Partition, s2r, act_peaks) -> tuple[list[dict], list[float]]:
         """Per-rank components (bytes) and totals; ``act_peaks`` from the simulator (bytes)."""
         sc = self.scale(lay)
@@ -320,14 +430,15 @@ class Evaluator:
         stage_kinds = self.stage_kinds(part)
         for r in range(lay.pp):
             kinds = [k for s in range(len(s2r)) if s2r[s] == r for k in stage_kinds[s]]
-            n = sum(self.unit_params(k, lay) for k in kinds)
+            n = self.rank_params(lay, part, s2r, r)
             row = {
                 "weights": p.weight * (n / d if lay.zero >= 3 else n),
                 "gradients": p.grad * (n / d if lay.zero >= 2 else n),
                 "optimizer": p.optim * (n / d if lay.zero >= 1 else n),
                 "activations": float(act_peaks[r]),
                 "working": max((k.work_bytes for k in kinds), default=0.0) * sc,
-                "p2p buffers": 2 * max((k.out_bytes for k in kinds), default=0.0) * sc if lay.pp > 1 else 0.0,
+                "grad outputs": self.grad_output_bytes(lay, part, s2r, r),
+                "p2p buffers": self.p2p_bytes(lay, part, s2r, r),
                 "dp buckets": min(2 * self.bucket_bytes, n * p.grad) if (d > 1 and lay.zero == 0) else 0.0,
                 "zero-3 gather": 2 * max((self.unit_weight_bytes(k, lay) for k in kinds), default=0.0)
                 if lay.zero >= 3 and d > 1 else 0.0,

@@ -13,7 +13,15 @@ microbatch of b samples costs b/batch0 times the captured one):
 * F/I/W programs as node lists (FLOPs, bytes moved, dtype, whether it is a pure view) so a
   device profile turns them into times (``UnitKind.times``);
 * saved activations: distinct storages the F program keeps for I and W (views of parameters
-  and aliases of one another counted once), and what W still needs after I;
+  and aliases of one another counted once), including the unit's input activations when I or
+  W read them (the runtime keeps them in the microbatch's env after F, like a saved value),
+  and what W still needs after I: the saved values it reads plus the ones I computes for it
+  (e.g. the gradients of linear-layer outputs that dW = dY^T X needs), which can exceed what F
+  saved;
+* the transient working set: the largest live set of the backward's (and the forward's)
+  intermediate activations, views keeping their base alive, WITHOUT the parameter gradients
+  the backward returns (those are parameter-sized, not batch-sized: the estimate counts a
+  stage's gradient outputs separately);
 * the boundary tensors (what a stage receives and sends), parameter counts and bytes,
   expert parameters (split by EP), attention bytes (moved by Ulysses CP all-to-alls) and the
   MoE dispatch bytes (moved by EP all-to-alls).
@@ -117,7 +125,7 @@ class UnitKind:
     i: Program
     w: Program
     saved_bytes: float        # F keeps for I and W
-    saved_after_i: float      # what W still needs after I ran
+    saved_after_i: float      # what W still needs after I ran; may exceed saved_bytes (I's outputs W reads)
     in_bytes: float           # activations received (what a recomputing stage keeps)
     out_bytes: float          # activations sent to the next unit
     params: int               # parameter elements
@@ -126,7 +134,7 @@ class UnitKind:
     expert_params: int        # of which expert weights (sharded by EP)
     attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume)
     dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume)
-    work_bytes: float         # largest live set inside the unit's backward (transient)
+    work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
 
     def times(self, device, scale: float) -> tuple[float, float, float]:
         return self.f.time(device, scale), self.i.time(device, scale), self.w.time(device, scale)
@@ -150,6 +158,9 @@ class ModelProfile:
     capture_s: float = 0.0
     trace_s: float = 0.0
     tied_params: int = 0           # parameter elements counted in two units (tied embedding/head)
+    # parameters held by more than one unit: (unit indices, elements); a rank holding several of
+    # those units stores one copy (one weight, one gradient, one optimizer state)
+    shared_params: tuple[tuple[tuple[int, ...], int], ...] = ()
     has_captured_graph: bool = True  # False when units stand for layers that were not captured
     captured: object = field(default=None, repr=False)
 
@@ -222,24 +233,41 @@ def _storage_bytes(nodes: Sequence[fx.Node], param_like: set[str]) -> float:
     return sum(bases.values())
 
 
-def _peak_live(gm: fx.GraphModule, param_like: set[str]) -> float:
-    """Largest sum of live non-view, non-state node outputs while running ``gm`` in order."""
+def _base(node: fx.Node) -> fx.Node:
+    while node.op == "call_function" and _is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def _live_set(gm: fx.GraphModule, results: Sequence[str] = (), skip: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(peak, end) of the bytes of live node outputs while running ``gm`` in order, as the
+    generated code frees them: an output lives until the last use of it or of any view of it
+    (a view keeps its base's storage). Inputs (placeholders) are not counted: they are held
+    elsewhere. Returned values whose key in ``results`` starts with one of ``skip`` are left out
+    (with their bases). ``end`` is what is still live when the graph returns."""
     nodes = list(gm.graph.nodes)
+    out = next(n for n in nodes if n.op == "output")
+    vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+    skipped = {_base(v) for v, k in zip(vals, results) if isinstance(v, fx.Node) and k.startswith(skip)} if skip else set()
+    base = {n: _base(n) for n in nodes}
     last = {}
     for i, n in enumerate(nodes):
         for a in n.all_input_nodes:
-            last[a] = i
-    live, peak = 0.0, 0.0
+            last[base[a]] = i
+    live, peak, end = 0.0, 0.0, 0.0
     sizes = {}
     for i, n in enumerate(nodes):
-        if n.op == "call_function" and not _is_view(n):
+        if n is out:
+            end = live
+        if n.op == "call_function" and not _is_view(n) and n not in skipped:
             sizes[n] = float(n.meta.get("autopar_bytes", 0))
             live += sizes[n]
             peak = max(peak, live)
         for a in n.all_input_nodes:
-            if last.get(a) == i and a in sizes:
-                live -= sizes.pop(a)
-    return peak
+            b = base[a]
+            if last.get(b) == i and b in sizes:
+                live -= sizes.pop(b)
+    return peak, end
 
 
 def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool]) -> UnitKind:
@@ -250,7 +278,11 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool]) -> Un
                if k.startswith(state_keys)}
     f_out = next(n for n in sp.f.gm.graph.nodes if n.op == "output")
     saved_nodes = [v for v, k in zip(f_out.args[0], sp.f.results) if k.startswith("saved:")]
-    saved = _storage_bytes(saved_nodes, f_state)
+    # stage inputs that I, W or B read stay in the microbatch env after F, like saved values
+    later = set(sp.i.args) | set(sp.w.args) | set(sp.b.args)
+    kept_inputs = [n for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
+                   if k.startswith("in:") and k in later]
+    saved = _storage_bytes(saved_nodes + kept_inputs, f_state)
     w_phs = [n for n in sp.w.gm.graph.nodes if n.op == "placeholder"]
     w_state = {n.name for n, k in zip(w_phs, sp.w.args) if k.startswith(state_keys)}
     after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not k.startswith(state_keys)
@@ -279,14 +311,16 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool]) -> Un
             if isinstance(w, fx.Node) and w.name in expert_ph and isinstance(n.args[-2], fx.Node):
                 dispatch = max(dispatch, float(n.args[-2].meta.get("autopar_bytes", 0)))
     # dispatch: the largest expert input buffer of the unit, sent out and combined back once per MoE
-    b_state = {n.name for n, k in zip((n for n in sp.b.gm.graph.nodes if n.op == "placeholder"), sp.b.args)
-               if k.startswith(state_keys)}
+    # transient: the backward's intermediates (and input gradients) without the parameter
+    # gradients it returns; the forward's rise above what it leaves behind (saved + outputs)
+    b_peak, _ = _live_set(sp.b.gm, sp.b.results, skip=("gparam:",))
+    f_peak, f_end = _live_set(sp.f.gm, sp.f.results)
     return UnitKind(kind=label, f=_program(sp.f.gm), i=_program(sp.i.gm), w=_program(sp.w.gm),
-                    saved_bytes=saved, saved_after_i=min(after_i, saved),
+                    saved_bytes=saved, saved_after_i=after_i,
                     in_bytes=in_bytes, out_bytes=out_bytes, params=int(params), param_tensors=n_state,
                     param_bytes=int(pbytes),
                     expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
-                    work_bytes=max(_peak_live(sp.b.gm, b_state), _peak_live(sp.f.gm, f_state)))
+                    work_bytes=max(b_peak, f_peak - f_end))
 
 
 def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=None, *, name: str = "model",
@@ -348,7 +382,9 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     repeats = dict(layer_repeats or {})
     units: list[Unit] = []
     counters: dict[str, int] = {}
+    first_unit: list[int] = []  # captured unit (stage) k -> index of its first unit in `units`
     for k, (label, kind) in enumerate(zip(labels, unit_kinds)):
+        first_unit.append(len(units))
         cut = 0 if k == 0 else cuts[k - 1]
         if label is None:
             units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut))
@@ -369,6 +405,14 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                 holders[fqn] = holders.get(fqn, 0) + 1
         by_fqn = {fqn: ph_vals[ph] for ph, fqn in captured.params.items()}
         tied_elems = sum((holders[f] - 1) * by_fqn[f].numel() for f in holders if holders[f] > 1)
+    # parameters several units use (tied embedding/head, reused modules): one copy per rank
+    ph_vals = {n.name: n.meta.get("val") for n in captured.gm.graph.nodes if n.op == "placeholder"}
+    numel = {fqn: ph_vals[ph].numel() for ph, fqn in captured.params.items()}
+    held_by: dict[str, list[int]] = {}
+    for k, st in enumerate(stages):
+        for fqn in st.params:
+            held_by.setdefault(fqn, []).append(first_unit[k])
+    shared = tuple((tuple(us), int(numel.get(fqn, 0))) for fqn, us in sorted(held_by.items()) if len(us) > 1)
     return ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
                         n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
-                        has_captured_graph=not layer_repeats, captured=captured)
+                        shared_params=shared, has_captured_graph=not layer_repeats, captured=captured)

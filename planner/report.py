@@ -58,6 +58,8 @@ def candidate_dict(c: Candidate) -> dict:
         d["predicted_step_time_s"] = c.estimate.step_time
         d["peak_memory_bytes"] = [float(x) for x in c.estimate.peak_memory]
         d["recompute_stages"] = [i for i, r in enumerate(c.estimate.partition.recompute) if r]
+    elif c.peaks is not None:
+        d["peak_memory_bytes"] = [float(x) for x in c.peaks]
     return d
 
 
@@ -92,7 +94,7 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         out["memory_formula"] = [str(memory_formula(res, est, r)) for r in range(len(est.memory))]
         out["stages"] = rows
     alts = [x for x in res.feasible() if x is not c][:top]
-    others = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
+    others = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: x.peak)[:top]
     rej = _distinct_rejections(res, top)
     out["alternatives"] = [candidate_dict(x) for x in alts + others + rej]
     if include_all:
@@ -101,7 +103,7 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         close = res.closest()
         if close is not None:
             out["closest"] = candidate_dict(close)
-            out["min_memory_needed_bytes"] = float(max(close.estimate.peak_memory))
+            out["min_memory_needed_bytes"] = float(close.peak)
     return out
 
 
@@ -113,6 +115,7 @@ def solver_summary(res: PlanResult) -> dict:
     return {"solver": solver_name(), "ilp_solves": len(runs), "statuses": sorted({r.status for r in runs}),
             "solver_s": res.solver_s, "max_gap_vs_balanced_bound": max(gaps) if gaps else None,
             "simulated": sum(1 for c in res.candidates if c.estimate is not None),
+            "memory_checked": sum(1 for c in res.candidates if c.estimate is None and c.peaks is not None),
             "layouts": sum(1 for c in res.candidates if c.status != "rejected")}
 
 
@@ -181,14 +184,14 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     gap = s["max_gap_vs_balanced_bound"]
     L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs ({s['solver']}): {', '.join(s['statuses']) or '-'}; "
              f"largest gap to the perfectly balanced bound {'-' if gap is None else f'{gap * 100:.1f}%'}; "
-             f"{s['simulated']} of {s['layouts']} layouts simulated")
+             f"{s['simulated']} of {s['layouts']} layouts simulated, {s['memory_checked']} more found over the limit by memory alone")
     c = res.chosen
     if c is None:
         L.append("")
         L.append("NO PLAN FITS.")
         close = res.closest()
         if close is not None:
-            need = max(close.estimate.peak_memory)
+            need = close.peak
             L.append(f"  the smallest per-device memory any simulated plan needs is {need / GiB:.2f} GiB "
                      f"(limit {req.memory_limit / GiB:.2f} GiB)")
             L.append(f"  closest plan: {close.layout.label()} ({close.reason})")
@@ -220,13 +223,13 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     L.append(f"  rank {worst} (heaviest): M(b, s) = {memory_formula(res, est, worst)} bytes "
              f"at b={lay.b}, s={prof.seq_len}")
     alts = [x for x in res.feasible() if x is not c][:top]
-    ooms = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: max(x.estimate.peak_memory))[:top]
+    ooms = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: x.peak)[:top]
     rej = _distinct_rejections(res, top)
     L += ["", f"alternatives (top {top} feasible, then the closest that do not fit, then rejected layouts)"]
     L += _table(["pp", "dp", "cp", "ep", "schedule", "m", "b", "zero", "step s", "peak GiB", "why not chosen"],
                 [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.m, x.layout.b,
                   x.layout.zero, f"{x.time:.4g}" if x.estimate else "-",
-                  _gib(max(x.estimate.peak_memory)) if x.estimate else "-", _why_lost(x)]
+                  _gib(x.peak) if x.peak is not None else "-", _why_lost(x)]
                  for x in alts + ooms + rej])
     if include_all:
         feas = res.feasible()

@@ -24,7 +24,7 @@ from typing import Callable
 
 from autopar.schedules import registry
 
-from .estimate import Estimate, Evaluator, GiB, Layout, Partition, divisors
+from .estimate import Estimate, Evaluator, GiB, Layout, Partition, divisors, runtime_overhead
 from .ilp import ILPResult, solve_partition
 from .profile import ModelProfile
 
@@ -42,6 +42,7 @@ class Request:
     max_microbatches: int = 1024
     exhaustive: bool = False            # simulate every layout that passes the screen (--all)
     top_simulate: int = 40
+    memory_checks: int = 2000           # layouts found OOM by their memory alone, before stopping
     simulate_actions: int = 400_000     # budget of simulated actions in the default (not exhaustive) mode
     zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
     top_ilp: int = 4
@@ -65,10 +66,18 @@ class Candidate:
     screen_need: float = 0.0            # bytes per rank it needs at least (perfect balance, recompute)
     estimate: Estimate | None = None
     ilp: ILPResult | None = None
+    peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
 
     @property
     def time(self) -> float:
         return self.estimate.step_time if self.estimate is not None else math.inf
+
+    @property
+    def peak(self) -> float | None:
+        """Heaviest rank's predicted bytes (None if never priced beyond the screen)."""
+        if self.estimate is not None:
+            return max(self.estimate.peak_memory)
+        return max(self.peaks) if self.peaks else None
 
 
 @dataclass
@@ -86,8 +95,8 @@ class PlanResult:
 
     def closest(self) -> Candidate | None:
         """The simulated candidate with the smallest peak memory (for infeasible requests)."""
-        sims = [c for c in self.candidates if c.estimate is not None]
-        return min(sims, key=lambda c: (max(c.estimate.peak_memory), _order(c))) if sims else None
+        sims = [c for c in self.candidates if c.peak is not None]
+        return min(sims, key=lambda c: (c.peak, _order(c))) if sims else None
 
 
 def _order(c: Candidate):
@@ -230,17 +239,23 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     # these stopping rules are what --all removes)
     t_sim = time.perf_counter()
     todo: list[Candidate] = []
-    spent = 0
+    spent = n_timed = checked = 0
     best = math.inf
     for c in screened:
         if not req.exhaustive and todo:
-            if len(todo) >= req.top_simulate or (spent >= req.simulate_actions and best < math.inf):
+            if n_timed >= req.top_simulate or (spent >= req.simulate_actions and best < math.inf):
                 break
-            if len(todo) >= 8 and c.screen_time > 1.25 * best:
+            if n_timed >= 8 and c.screen_time > 1.25 * best:
                 break
-        _simulate(ev, c)
+        timed = _simulate(ev, c)
         todo.append(c)
         lay = c.layout
+        if not timed:
+            checked += 1
+            if checked >= req.memory_checks and not req.exhaustive and best < math.inf:
+                break
+            continue
+        n_timed += 1
         spent += 3 * lay.num_stages * lay.m
         if c.status == "feasible":
             best = min(best, c.time)
@@ -248,13 +263,14 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
             say(f"  simulated {len(todo)} layouts")
     for c in screened[len(todo):]:
         c.status, c.reason = "screened", "not simulated: its closed-form estimate is behind the simulated ones"
-    say(f"simulated {len(todo)} layouts in {time.perf_counter() - t_sim:.1f} s")
+    say(f"simulated {n_timed} layouts ({checked} more found over the memory limit before timing) "
+        f"in {time.perf_counter() - t_sim:.1f} s")
 
     # round 3: ILP on the best simulated layouts (and on OOM ones when nothing fits)
     feas = sorted((c for c in todo if c.status == "feasible"), key=_order)
     pool = feas[: req.top_ilp]
     if not pool:
-        pool = sorted((c for c in todo if c.status == "oom"), key=lambda c: max(c.estimate.peak_memory))[: req.top_ilp]
+        pool = sorted((c for c in todo if c.status == "oom"), key=lambda c: c.peak)[: req.top_ilp]
     t_ilp = time.perf_counter()
     ilp_runs = []
     for c in pool:
@@ -265,10 +281,11 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
 
     feas = sorted((c for c in cands if c.status == "feasible"), key=_order)
-    if not feas and not todo:
+    if not feas and not any(c.peak is not None for c in cands):
         # nothing passed the screen: simulate the least hungry layouts, to say how close they come
         for c in sorted((c for c in cands if c.status == "rejected"), key=lambda c: c.screen_need)[:5]:
-            _simulate(ev, c)
+            if _simulate(ev, c) is False and c.estimate is None:
+                c.estimate = None  # memory-only: c.peaks says how far over it is
     chosen = feas[0] if feas else None
     if chosen is not None:
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
@@ -291,34 +308,56 @@ def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
             f, i, w = ev.unit_times(kind, lay)
             tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
             static += n * ev.unit_static(kind, lay)
-        min_act = min(u.kind.in_bytes for u in ev.units) * ev.scale(lay)
-        sums = cache[key] = (tf, ti, tw, static, min_act)
-    tf, ti, tw, static, min_act = sums
+        # the least a stage can keep per microbatch (recomputing: its input), the least working set
+        kinds = [k for k, _ in ev.profile.runs()]
+        min_in = min(k.in_bytes for k in kinds[1:] or kinds) * ev.scale(lay)
+        min_work = min(k.work_bytes for k in kinds) * ev.scale(lay)
+        sums = cache[key] = (tf, ti, tw, static, min_in, min_work)
+    tf, ti, tw, static, min_in, min_work = sums
     p = lay.pp
     f, i, w = tf / p, ti / p, tw / p
     t = lay.m * (f + i + w) + _screen_bubble(lay.schedule, p, lay.v, f, i, w)
     c = Candidate(lay, "screened", screen_time=t)
-    # cannot fit even perfectly balanced, with every stage recomputing (keeps only stage inputs)
-    need = static / p + min_act
+    # cannot fit even perfectly balanced, with every stage recomputing (keeps only its input):
+    # the schedule's in-flight bound (in M_B = v stages' inputs) times the smallest input
+    inflight = 1.0 if lay.schedule == "zb-auto" else registry.get(lay.schedule).peak_bound(p, lay.m, lay.v)
+    need = static / p + inflight * lay.v * min_in + min_work + runtime_overhead(ev.device)
     c.screen_need = need
     if need > ev.memory_limit:
         c.status = "rejected"
-        c.reason = (f"OOM even perfectly balanced with recomputation: parameters, gradients and optimizer "
-                    f"states alone need {need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB")
+        c.reason = (f"OOM even perfectly balanced with every stage recomputing: needs at least "
+                    f"{need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB")
     return c
 
 
-def _simulate(ev: Evaluator, c: Candidate) -> None:
+def _simulate(ev: Evaluator, c: Candidate) -> bool:
+    """Balanced boundaries, recomputing everywhere if that is what fits; returns False when the
+    layout was found over the memory limit without timing it (fixed-order schedules)."""
     lay = c.layout
     S = lay.num_stages
     bounds = balanced_partition(_unit_totals(ev, lay), S)
-    est = ev.evaluate(lay, Partition(bounds, (False,) * S))
-    if not est.feasible:
-        est2 = ev.evaluate(lay, Partition(bounds, (True,) * S))
-        if est2.feasible or max(est2.peak_memory) < max(est.peak_memory):
-            est = est2
-    c.estimate = est
+    plain, everywhere = Partition(bounds, (False,) * S), Partition(bounds, (True,) * S)
+    if lay.schedule != "zb-auto":  # fixed orders: memory is known without timing the schedule
+        part = plain
+        peaks = ev.peak_memory_only(lay, plain)
+        if max(peaks) > ev.memory_limit:
+            part = everywhere
+            peaks = min(peaks, ev.peak_memory_only(lay, everywhere), key=max)
+        if max(peaks) > ev.memory_limit:
+            c.peaks = tuple(peaks)
+            r = max(range(len(peaks)), key=peaks.__getitem__)
+            c.status, c.reason = "oom", f"OOM on rank {r} by {(peaks[r] - ev.memory_limit) / GiB:.2f} GiB"
+            return False
+        c.estimate = ev.evaluate(lay, part)
+    else:
+        est = ev.evaluate(lay, plain)
+        if not est.feasible:
+            est2 = ev.evaluate(lay, everywhere)
+            if est2.feasible or max(est2.peak_memory) < max(est.peak_memory):
+                est = est2
+        c.estimate = est
     _classify(c)
+    return True
 
 
 def _classify(c: Candidate) -> None:
@@ -332,6 +371,9 @@ def _classify(c: Candidate) -> None:
 
 def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
     lay = c.layout
+    if c.estimate is None:  # found OOM before timing: price it now, the ILP starts from it
+        S = lay.num_stages
+        c.estimate = ev.evaluate(lay, Partition(balanced_partition(_unit_totals(ev, lay), S), (True,) * S))
     sched = c.estimate.schedule_obj
     if lay.schedule == "zb-auto":  # its order depends on the boundaries: plan memory with zb-h1's
         sched = registry.build("zb-h1", lay.pp, lay.m, lay.v) if registry.GENERATORS["zb-h1"].constraints[0].ok(
