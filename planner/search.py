@@ -249,6 +249,8 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
                 break
         timed = _simulate(ev, c)
         todo.append(c)
+        if len(todo) % 200 == 0:
+            say(f"  priced {len(todo)} of {len(screened)} layouts")
         lay = c.layout
         if not timed:
             checked += 1
@@ -259,8 +261,6 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         spent += 3 * lay.num_stages * lay.m
         if c.status == "feasible":
             best = min(best, c.time)
-        if len(todo) % 100 == 0:
-            say(f"  simulated {len(todo)} layouts")
     for c in screened[len(todo):]:
         c.status, c.reason = "screened", "not simulated: its closed-form estimate is behind the simulated ones"
     say(f"simulated {n_timed} layouts ({checked} more found over the memory limit before timing) "

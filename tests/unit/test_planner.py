@@ -254,3 +254,29 @@ def test_plan_model_to_runtime_plan(gpt_profile):
                                                          zero_levels=(0, 1), allow_cp=False, allow_ep=False))
     p = to_plan(res, res.chosen)
     assert p.world_size == 2 and len(p.stage_cuts) == p.num_stages - 1
+
+
+# ---------------------------------------------------------------------------------------------
+# the planner reaches for CP and EP when nothing else fits (pins feasibility, not degrees)
+
+
+def _plan_json(capsys, argv):
+    rc = plan_main(argv + ["--quiet", "--json"])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_long_sequence_needs_cp(capsys):
+    args = ["llama3-8b", "--gpus", "64", "--global-batch", "64", "--seq", "131072"]
+    rc, data = _plan_json(capsys, args + ["--no-cp"])
+    assert rc == 2 and not data["feasible"] and data["min_memory_needed_bytes"] > data["memory_limit_bytes"]
+    rc, data = _plan_json(capsys, args)
+    assert rc == 0 and data["cp"] > 1
+    assert max(data["peak_memory_bytes"]) <= data["memory_limit_bytes"]
+
+
+def test_deepseek_needs_ep(capsys):
+    args = ["deepseek-v3", "--gpus", "256", "--global-batch", "256", "--seq", "1024", "--schedules", "1f1b,zb-h1,zbv"]
+    rc, data = _plan_json(capsys, args + ["--no-ep"])
+    assert rc == 2 and not data["feasible"]
+    rc, data = _plan_json(capsys, args)
+    assert rc == 0 and data["ep"] > 1 and (data["dp"] * data["cp"]) % data["ep"] == 0
