@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -79,6 +80,7 @@ class ParallelModel:
         self.model = model
         self.loss_fn = loss_fn
         self.plan = plan
+        self.planner_summary: str | None = None  # what the planner chose and predicted (plan=None)
         self._example_inputs = example_inputs
         self._params = _unique_params(model)
         self._optimizer_factory = optimizer
@@ -98,7 +100,7 @@ class ParallelModel:
 
         batch = _batch_size(inputs, target)
         if self.plan is None:
-            self.plan = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
+            self.plan, self.planner_summary = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
         plan = self.plan
         m = plan.num_microbatches or _default_microbatches(plan, batch)
         if batch % (plan.dp * m):
@@ -188,7 +190,7 @@ class ParallelModel:
         b = self._built
         batch = _batch_size(inputs, target)
         if self.plan is None:
-            self.plan = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
+            self.plan, self.planner_summary = _auto_plan(self.model, inputs, target, self.loss_fn, batch)
         plan = self.plan
         target_changed = target is not None and b.target_shape is not None and tuple(target.shape[1:]) != tuple(b.target_shape)
         if (batch != b.microbatch_size * plan.dp * b.num_microbatches or target_changed
@@ -327,17 +329,19 @@ def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> 
         else:
             chosen = to_plan(res, res.chosen)
             est = res.chosen.estimate
-            log.info("autopar: planner chose %s (predicted step %.4g s, peak memory %.3g GiB on the heaviest "
-                     "rank) in %.1f s", chosen.to_json(), est.step_time, max(est.peak_memory) / 2**30,
-                     time.perf_counter() - t0)
-            text = chosen.to_json()
+            summary = (f"planner: {res.chosen.layout.label()} on the {device.name} profile, predicted step "
+                       f"{est.step_time * 1e3:.3g} ms, peak memory {max(est.peak_memory) / 2**20:.1f} MiB on the "
+                       f"heaviest rank ({len(res.feasible())} feasible plans priced in {time.perf_counter() - t0:.1f} s)")
+            log.info("autopar: %s; plan %s", summary, chosen.to_json())
+            text = json.dumps({"plan": chosen.to_json(), "summary": summary})
     if _distributed():
         box = [text]
         torch.distributed.broadcast_object_list(box, src=0)
         text = box[0]
     if text.startswith("error:"):
         raise ValueError("autopar: no plan fits this world; the planner's report:\n" + text[len("error:"):])
-    return Plan.from_json(text)
+    data = json.loads(text)
+    return Plan.from_json(data["plan"]), data["summary"]
 
 
 def _distributed() -> bool:

@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("schedule", help="print, simulate and export pipeline schedules (autopar schedule --help)")
     sub.add_parser("plan", help="pick degrees, schedule, microbatches and stage boundaries for a model on N devices "
                                 "(autopar plan --help)")
-    demo = sub.add_parser("demo", help="capture examples/gpt, split it, train a few steps on CPU processes, "
+    demo = sub.add_parser("demo", help="capture examples/gpt, plan it, train a few steps on CPU processes, "
                                        "compare with eager")
     _model_args(demo)
     demo.add_argument("--nproc", type=int, default=2,
@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: --nproc, or 2 in local mode)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel replicas (default 1)")
-    p.add_argument("--schedule", default="1f1b", help="pipeline schedule (default 1f1b; see autopar schedule --list)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline ranks (demo default: the planner's choice; with "
+                                                     "other plan flags: --nproc / dp, or 2 in local mode)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (demo default: the planner's; else 1)")
+    p.add_argument("--schedule", default=None, help="pipeline schedule (demo default: the planner's; else 1f1b; "
+                                                    "see autopar schedule --list)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: schedule's choice)")
     p.add_argument("--stages-per-rank", type=int, default=None)
     p.add_argument("--layers", type=int, default=4, help="GPT layers (default 4)")

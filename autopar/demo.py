@@ -1,8 +1,9 @@
 """`autopar demo` and `autopar inspect` on examples/gpt.
 
-The demo trains with a fixed plan on ``--nproc`` CPU processes (gloo, started by torch's
-elastic launcher), or in local mode with ``--nproc 1``, then trains the same model in one
-eager process with the same microbatches and says whether every loss matches.
+The demo lets the planner choose the plan for ``--nproc`` CPU processes (gloo, started by
+torch's elastic launcher; local mode with ``--nproc 1``), unless plan flags (``--pp``, ``--dp``,
+``--schedule``, ``--microbatches``, ``--stages-per-rank``) fix it; trains; then trains the same
+model in one eager process with the same microbatches and says whether every loss matches.
 """
 from __future__ import annotations
 
@@ -22,11 +23,16 @@ def _model(args):
                     batch_size=args.batch, seed=0)
 
 
-def _plan(args):
+def _plan(args, auto: bool = True):
+    """The plan the flags fix, or None (the planner decides) when no plan flag is given."""
     import autopar
 
-    pp = args.pp or (max(1, args.nproc // args.dp) if getattr(args, "nproc", 1) > 1 else 2)
-    return autopar.Plan(pp=pp, dp=args.dp, schedule=args.schedule, num_microbatches=args.microbatches,
+    flags = (args.pp, args.dp, args.schedule, args.microbatches, args.stages_per_rank)
+    if auto and all(f is None for f in flags):
+        return None
+    dp = args.dp or 1
+    pp = args.pp or (max(1, args.nproc // dp) if getattr(args, "nproc", 1) > 1 else 2)
+    return autopar.Plan(pp=pp, dp=dp, schedule=args.schedule or "1f1b", num_microbatches=args.microbatches,
                         stages_per_rank=args.stages_per_rank)
 
 
@@ -36,12 +42,12 @@ def _optimizer(args):
     return functools.partial(torch.optim.AdamW, lr=getattr(args, "lr", 1e-3))
 
 
-def _build(args):
+def _build(args, auto: bool = True):
     import autopar
 
     model, inputs, target, loss_fn = _model(args)
     eager_model = copy.deepcopy(model)
-    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=_optimizer(args), plan=_plan(args),
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=_optimizer(args), plan=_plan(args, auto),
                              example_target=target)
     return pm, eager_model, inputs, target, loss_fn
 
@@ -79,7 +85,8 @@ def _train(args) -> dict:
     b = pm._built
     from autopar.inspect import stage_rows
 
-    return {"losses": losses, "times": times, "built_s": built, "plan": pm.plan.table(),
+    return {"losses": losses, "times": times, "built_s": built, "plan": pm.plan.table(), "dp": pm.plan.dp,
+            "planned": getattr(pm, "planner_summary", None),
             "stage_rows": stage_rows(b.programs, b.schedule), "microbatches": b.num_microbatches,
             "mb_size": b.microbatch_size, "tokens": inputs[0].numel()}
 
@@ -102,7 +109,7 @@ def run_demo(args) -> int:
     t0 = time.perf_counter()
     plan = _plan(args)
     if args.nproc > 1:
-        if plan.world_size != args.nproc:
+        if plan is not None and plan.world_size != args.nproc:
             raise ValueError(f"--nproc {args.nproc} but the plan needs pp*dp = {plan.pp}*{plan.dp} = {plan.world_size} "
                              "processes; make them agree")
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -124,13 +131,17 @@ def run_demo(args) -> int:
     else:
         res = _train(args)
         mode = "local mode: every rank in this process"
-    print(f"\nplan ({mode}; microbatches of {res['mb_size']} samples):\n{res['plan']}\n")
+    how = "chosen by the planner" if plan is None else "fixed by the flags"
+    print(f"\nplan ({how}; {mode}; microbatches of {res['mb_size']} samples):\n{res['plan']}")
+    if res.get("planned"):
+        print(f"  {res['planned']}")
+    print()
     from autopar.inspect import stage_table
 
     print(stage_table([], rows=res["stage_rows"]))
     print(f"\nbuilt in {res['built_s']:.1f}s; trained {args.steps} steps\n")
     model, inputs, target, loss_fn = _model(args)
-    eager = _eager_losses(model, inputs, target, loss_fn, _optimizer(args), res["microbatches"] * plan.dp, args.steps)
+    eager = _eager_losses(model, inputs, target, loss_fn, _optimizer(args), res["microbatches"] * res["dp"], args.steps)
     print(f"{'step':>4}  {'autopar loss':>13}  {'eager loss':>11}  {'rel diff':>9}  {'tokens/s':>9}")
     for step, (loss, dt, ref) in enumerate(zip(res["losses"], res["times"], eager)):
         rel = abs(loss - ref) / max(abs(ref), 1e-30)
@@ -144,7 +155,7 @@ def run_demo(args) -> int:
 
 def run_inspect(args) -> int:
     args.nproc = 1
-    pm, *_ = _build(args)
+    pm, *_ = _build(args, auto=False)  # inspect shows pipeline stages: pp=2 unless the flags say otherwise
     paths = pm.dump(args.out)
     print(pm.stage_table())
     print(f"\nwrote {len(paths)} files to {args.out}/ (stageN_F.py, stageN_I.py, stageN_W.py, stageN_B.py: stage "

@@ -20,7 +20,7 @@ def test_local_auto_plan_matches_eager(case_name, tmp_path, monkeypatch, caplog)
     with caplog.at_level("INFO", logger="autopar"):
         pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=ADAMW,
                                  example_target=case.target)
-    assert "planner chose" in caplog.text
+    assert "planner: pp=" in caplog.text and pm.planner_summary
     assert pm.plan.world_size == 1
     ref_losses, ref_state = eager_reference(copy.deepcopy(case.model), case.inputs, case.target, case.loss_fn, ADAMW,
                                             dp=1, num_microbatches=pm.plan.num_microbatches, steps=2)
