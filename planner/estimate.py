@@ -5,10 +5,16 @@ Time: each stage's F, I and W are the sums of its units' times (roofline per nod
 Ulysses all-to-alls around each attention to F and I, EP the token dispatch/combine around each
 MoE, ZeRO-3 the parameter all-gathers and gradient reduce-scatters, overlapped with the unit's
 compute (a unit takes the longer of the two). The schedule is replayed by the simulator with
-these per-stage costs and the P2P transfer time of each stage boundary. After the pipeline,
-the data-parallel gradient reduction is overlapped with the rank's last backward (only the
-excess shows), then the optimizer step (memory-bound) and, for ZeRO-1/2, the all-gather of the
-updated parameters. ``step = makespan + dp_exposed + optimizer``.
+these per-stage costs and the P2P transfer time of each stage boundary. Per stage the runtime
+adds: stage 0's I is empty (its W does the whole backward), every W/B adds its gradients into
+``.grad``, and on the cpu profile every cross-rank message costs the rank compute time. After
+the pipeline, in the runtime's order (:meth:`Evaluator.after_pipeline`): tied weights summed
+over the pipeline ranks holding them, the data-parallel reduction (ZeRO-0: started when a
+stage's last W/B ran, overlapped only with the rank's later actions; ZeRO-1: reduce-scatter
+and all-gather inside the optimizer step, not overlapped), then the optimizer step
+(memory-bound, torch's Adam passes). ``step = makespan + dp_exposed + optimizer``. On the
+``cpu`` profile units are priced from their measured programs (``UnitKind.times``) and gloo's
+collectives, P2P under load and shared memory bandwidth use the measured constants below.
 
 Memory, per rank, the heaviest rank decides:
   parameters, gradients and optimizer states (sharded over dp*cp by the ZeRO level; expert
@@ -20,7 +26,10 @@ Memory, per rank, the heaviest rank decides:
   of the stage before the runtime adds them into ``.grad``, so during a W/B a second,
   per-microbatch copy of the stage's gradients is live), P2P buffers (the runtime keeps every
   sent tensor until the end of the step: m per boundary and direction, plus two receive
-  buffers in flight), DP bucket buffers, ZeRO-3 gather buffers, and a fixed runtime overhead.
+  buffers in flight), the gradient-reduction buffers (DP buckets, ZeRO-1's flat gradients and
+  gathered parameters; the runtime allocates them after a stage's last backward, so only
+  their excess over the pipeline phase's activations and transients counts), ZeRO-3 gather
+  buffers, and a fixed runtime overhead.
 Rank layout: cp varies fastest, then dp, then pp (so cp and dp groups stay inside a node when
 they can); ep groups are drawn from the dp*cp ranks of one stage.
 """
@@ -36,6 +45,31 @@ from . import comm
 from .profile import ModelProfile, UnitKind
 
 GiB = 1024 ** 3
+
+# gloo collectives between 2 processes on the cpu profile's machine reach only a fraction of
+# the link bandwidth of the cpu profile (point-to-point: ~2.5 GB/s, close to it): measured by
+# ``python benchmarks/cost_model.py --gloo`` on the 2-core CI VM (2 ranks, 1-13 MB buffers,
+# median of 13), effective ring bandwidth / 2 GB/s: all_reduce 0.94 GB/s, all_gather_into_tensor
+# 0.59 GB/s (of the full output), reduce_scatter_tensor 0.30 GB/s (of the full input). Gloo
+# has no native reduce-scatter / all-gather into one tensor; PyTorch emulates them with extra
+# copies. Used only for the cpu device (``Evaluator.collective``).
+GLOO_EFFICIENCY = {"all_reduce": 0.47, "all_gather": 0.30, "reduce_scatter": 0.15}
+# The cpu profile measures streaming bandwidth with one process; two processes streaming at
+# once each get less (shared memory controller and last-level cache). Measured on the 2-core
+# CI VM with ``autopar.planner.devices.measure_cpu`` (64 MiB copy/add, one thread) run alone,
+# 13.6-14.9 GB/s, and in two processes at once, 9.0-12.5 GB/s each (median ratio 0.72).
+CPU_SHARED_BANDWIDTH = 0.72
+# P2P between gloo processes whose cores are busy computing (the pipeline's normal state): the
+# cpu profile's link (alpha 50 us, 2 GB/s) is what an idle pair sees (ping-pong of 64 KB: 0.1 ms).
+# With both ranks computing, gloo's I/O threads have to be scheduled on the busy cores: measured
+# by ``python benchmarks/cost_model.py --gloo`` ("p2p under load": both ranks run 10 ms matmul
+# chunks and exchange one 32-256 KB message per chunk, waiting for it at once or 4 chunks
+# later), every message costs the sending and the receiving rank 0.5-1.5 ms of compute time, and
+# a message waited for at once arrives 0.5-2.5 ms late. The per-step breakdown of
+# ``cost_model.py --actions`` agrees: outside F/I/W/B, receive waits and the optimizer, a pp=2
+# rank spends ~1.5 ms per microbatch (one message out, one in). Used only for the cpu device.
+CPU_P2P_MESSAGE_S = 0.75e-3
+CPU_P2P_LATENCY_S = 1.0e-3
 
 
 @dataclass(frozen=True)
@@ -142,6 +176,7 @@ class Evaluator:
         self.units = profile.units
         self._times: dict = {}
         self._sims: dict = {}   # identical pipelines (e.g. ZeRO 0/1/2 of one layout) simulate once
+        self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
 
     # ------------------------------------------------------------------ per-unit quantities
     def scale(self, lay: Layout) -> float:
@@ -192,8 +227,34 @@ class Evaluator:
         p = self.precision
         w = p.weight * (n / d if lay.zero >= 3 else n)
         g = p.grad * (n / d if lay.zero >= 2 else n)
-        o = p.optim * (n / d if lay.zero >= 1 else n)
+        o = self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n)
         return w + g + o
+
+    def optim_per_param(self, lay: Layout) -> float:
+        """Optimizer bytes per (sharded) parameter element: Adam's states, plus for ZeRO-1 over
+        dp > 1 with fp32 weights the fp32 master shard ``runtime/zero.py`` keeps (the parameter
+        its inner optimizer steps; with bf16 weights the master is already in ``optim``)."""
+        p = self.precision
+        master = 4 if (lay.zero == 1 and lay.dp * lay.cp > 1 and p.weight == 4) else 0
+        return p.optim + master
+
+    def reduction_bytes(self, lay: Layout, n: float) -> tuple[str, float]:
+        """(name, bytes) of the gradient-reduction buffers a rank holding ``n`` parameter
+        elements allocates after its backward (none with dp = 1):
+
+        * ZeRO-0, ``runtime/grad_reduce.py``: every bucket is flattened into an fp32 buffer and
+          all of them stay in flight until the reduction finishes: 4 bytes per element;
+        * ZeRO-1, ``runtime/zero.py``: the flat fp32 gradients (padded to a multiple of dp), the
+          reduce-scattered shard and the all-gathered parameters: 4 * (2n + n/d);
+        * ZeRO-2/3 (not in the runtime): two buckets of ``bucket_bytes``."""
+        d = lay.dp * lay.cp
+        if d <= 1:
+            return "dp buckets", 0.0
+        if lay.zero == 0:
+            return "dp buckets", 4.0 * n
+        if lay.zero == 1:
+            return "zero-1 buffers", 4.0 * (2 * n + n / d)
+        return "dp buckets", min(2 * self.bucket_bytes, n * self.precision.grad)
 
     def unit_saved(self, kind: UnitKind, lay: Layout, recompute: bool) -> float:
         sc = self.scale(lay)
@@ -205,14 +266,38 @@ class Evaluator:
         return [[u.kind for u in self.units[b[s]:b[s + 1]]] for s in range(len(b) - 1)]
 
     def stage_costs(self, lay: Layout, part: Partition) -> Costs:
+        """Per-stage F, I, W seconds: the sums of the stage's unit times, plus what the runtime
+        does around them:
+
+        * stage 0 receives no activation (only the model inputs, which need no gradient), so
+          its I program is empty and its W computes the whole backward of the stage;
+        * after every W (or B) the runtime adds the program's parameter gradients into
+          ``.grad`` (``runtime/stage_work.py``: one ``add_`` per parameter tensor): one node
+          overhead per tensor plus reading both and writing the sum;
+        * on the ``cpu`` profile, every P2P message a stage's F (activations) or I/B
+          (gradients) sends or receives across ranks costs that rank ``CPU_P2P_MESSAGE_S`` of
+          compute time (gloo's threads share the cores with the compute threads)."""
+        from autopar.schedules.registry import layout as stage_layout
+
         f, i, w = [], [], []
-        for kinds, rc in zip(self.stage_kinds(part), part.recompute):
+        bw = self.stream_bandwidth(lay)
+        S = len(part.bounds) - 1
+        s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
+        msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
+        for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
             tf = ti = tw = 0.0
             for k in kinds:
                 a, bb, c = self.unit_times(k, lay)
                 tf, ti, tw = tf + a, ti + bb, tw + c
             if rc:
                 ti += tf  # I replays the forward first
+            if s == 0:
+                ti, tw = 0.0, ti + tw
+            n = sum(self.unit_params(k, lay) for k in kinds) - self.shared_duplicates(part, [s])
+            tw += sum(k.param_tensors for k in kinds) * self.device.op_overhead_s + 3 * n * self.precision.weight / bw
+            if msg_cpu:  # a message this stage's F / I sends or receives across ranks
+                tf += msg_cpu * ((s > 0 and s2r[s - 1] != s2r[s]) + (s + 1 < S and s2r[s + 1] != s2r[s]))
+                ti += msg_cpu * ((s > 0 and s2r[s - 1] != s2r[s]) + (s + 1 < S and s2r[s + 1] != s2r[s]))
             f.append(max(tf, 1e-12))
             i.append(max(ti, 1e-12))
             w.append(max(tw, 1e-12))
@@ -255,21 +340,23 @@ class Evaluator:
             else:
                 after_f.append(sum(k.saved_bytes for k in kinds) * sc)
                 after_i.append(sum(k.saved_after_i for k in kinds) * sc)
+        key = (id(sched), tuple(after_f), tuple(after_i))
+        hit = self._act_peaks.get(key)
+        if hit is not None and hit[0] is sched:
+            return hit[1]
+        delta = {F: after_f, I: [a - b for a, b in zip(after_i, after_f)], W: [-a for a in after_i],
+                 B: [-a for a in after_f]}
         peaks = []
         for acts in sched.actions:
             mem = peak = 0.0
             for a in acts:
-                s = a.stage
-                if a.type == F:
-                    mem += after_f[s]
-                elif a.type == I:
-                    mem += after_i[s] - after_f[s]
-                elif a.type == W:
-                    mem -= after_i[s]
-                elif a.type == B:
-                    mem -= after_f[s]
-                peak = max(peak, mem)
+                d = delta.get(a.type)
+                if d is not None:
+                    mem += d[a.stage]
+                    if mem > peak:
+                        peak = mem
             peaks.append(peak)
+        self._act_peaks[key] = (sched, tuple(peaks))
         return tuple(peaks)
 
     def message_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
@@ -307,7 +394,7 @@ class Evaluator:
         d = lay.dp * lay.cp
         p = self.precision
         return (p.weight / (d if lay.zero >= 3 else 1) + p.grad / (d if lay.zero >= 2 else 1)
-                + p.optim / (d if lay.zero >= 1 else 1))
+                + self.optim_per_param(lay) / (d if lay.zero >= 1 else 1))
 
     def shared_duplicates(self, part: Partition, stages) -> float:
         """Parameter elements counted more than once when ``stages`` are held together (a tied
@@ -371,44 +458,23 @@ class Evaluator:
         msg = self.message_bytes(lay, part)
         sb = self.stage_bytes(lay, part)
         frac = self.i_free_fraction(part)
+        alpha = links["pp"].alpha_s
+        if self.device.name == "cpu":
+            alpha = max(alpha, CPU_P2P_LATENCY_S)
         key = (id(sched), costs, msg, links["pp"], sb, frac)
         sim = self._sims.get(key)
         if sim is None:
-            sim = simulate(sched, costs, p2p_latency=links["pp"].alpha_s, p2p_bandwidth=links["pp"].bandwidth,
+            sim = simulate(sched, costs, p2p_latency=alpha, p2p_bandwidth=links["pp"].bandwidth,
                            message_bytes=msg, stage_bytes=sb, i_free_fraction=frac)
             self._sims[key] = sim
         memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part))
-        # DP: gradient reduction overlapped with the rank's last backward; ZeRO-1/2 gather after the step
-        d = lay.dp * lay.cp
-        dp_exposed = 0.0
-        opt = 0.0
+        dp_exposed, opt = self.after_pipeline(lay, part, s2r, sim, links)
         p = self.precision
-        for r in range(lay.pp):
-            stages = [s for s in range(len(s2r)) if s2r[s] == r]
-            kinds = [k for s in stages for k in self.stage_kinds(part)[s]]
-            n = self.rank_params(lay, part, s2r, r)
-            tensors = sum(k.param_tensors for k in kinds)
-            last_bwd = sum(costs.i[s] + costs.w[s] for s in stages)
-            exposed = 0.0
-            if d > 1 and lay.zero < 3:
-                if lay.zero == 0:
-                    red = comm.all_reduce_time(n * p.grad, d, links["dp"])
-                else:
-                    red = comm.reduce_scatter_time(n * p.grad, d, links["dp"])
-                exposed = max(0.0, red - last_bwd)
-                if lay.zero >= 1:
-                    exposed += comm.all_gather_time(n * p.weight, d, links["dp"])
-            dp_exposed = max(dp_exposed, exposed)
-            shard = n / d if (lay.zero >= 1 and d > 1) else n
-            moved = shard * (p.weight + p.grad + p.optim) * 2
-            ov = self.device.op_overhead_s * tensors * 12
-            bw = self.device.mem_bandwidth * self.device.mem_efficiency
-            opt = max(opt, moved / bw + ov)
         est = Estimate(layout=lay, partition=part, stage_to_rank=tuple(s2r), stage_costs=costs,
                        makespan_s=sim.makespan, dp_exposed_s=dp_exposed, optimizer_s=opt,
                        bubble=sim.bubble_fraction, peak_memory=tuple(peaks), memory=tuple(memory),
                        memory_limit=self.memory_limit, message_bytes=msg,
-                       p2p_link=(links["pp"].alpha_s, links["pp"].bandwidth), schedule_obj=sched)
+                       p2p_link=(alpha, links["pp"].bandwidth), schedule_obj=sched)
         tokens = self.global_batch * (self.profile.seq_len or 1)
         est.tokens_per_s = tokens / est.step_time
         flops = self.profile.flops_per_sample() * self.global_batch
@@ -416,13 +482,133 @@ class Evaluator:
         est.mfu = flops / (est.step_time * lay.world * peak)
         return est
 
+    def after_pipeline(self, lay: Layout, part: Partition, s2r, sim, links) -> tuple[float, float]:
+        """(exposed synchronisation, optimizer) seconds after the pipeline, for the rank that
+        finishes last. Per rank, in the runtime's order (``runtime/distributed.py`` ``run``):
+
+        * tied weights held by several pipeline ranks: their gradients are summed over the
+          holders (blocking; waits for the last holder to finish its actions);
+        * ZeRO-0, dp > 1 (``runtime/grad_reduce.py``): a stage's buckets are flattened and
+          their all-reduce launched when its LAST W/B of the step has run, so the reduction
+          overlaps only with the rank's later actions (other stages of a v > 1 schedule); then
+          the sums are copied back;
+        * ZeRO-1, dp > 1 (``runtime/zero.py``, inside ``optimizer.step``): flatten every
+          gradient, reduce-scatter, step the shard, all-gather the parameters, copy them back;
+          nothing overlaps;
+        * the loss is broadcast over the pipeline and summed over dp (one latency each);
+        * the optimizer (:meth:`optimizer_time`).
+
+        ZeRO-2/3 (not in the runtime yet) keep the overlapped form: the reduction hides behind
+        the rank's last backward, ZeRO-2's parameter all-gather follows the step."""
+        d = lay.dp * lay.cp
+        p = self.precision
+        bw = self.stream_bandwidth(lay)
+        ov = self.device.op_overhead_s
+        kinds = self.stage_kinds(part)
+        done: dict[int, float] = {}
+        end = [0.0] * lay.pp
+        last_bwd = [(0.0, 0.0)] * lay.pp   # (end, duration) of the rank's last I/W/B
+        for r, a, t0, t1 in sim.timeline:
+            if t1 > end[r]:
+                end[r] = t1
+            if a.type in ("W", "B", "I"):
+                if t1 >= last_bwd[r][0]:
+                    last_bwd[r] = (t1, t1 - t0)
+                if a.type != "I" and t1 > done.get(a.stage, 0.0):
+                    done[a.stage] = t1
+        # tied weights across pipeline ranks: (elements, holder ranks)
+        tied = []
+        for units, numel in getattr(self.profile, "shared_params", ()):
+            ranks = sorted({s2r[s] for s in range(len(s2r)) for u in units
+                            if part.bounds[s] <= u < part.bounds[s + 1]})
+            if len(ranks) > 1:
+                tied.append((numel, ranks))
+        finish, opt_of = [], []
+        for r in range(lay.pp):
+            stages = sorted((s for s in range(len(s2r)) if s2r[s] == r), key=lambda s: done.get(s, 0.0))
+            n = self.rank_params(lay, part, s2r, r)
+            tensors = sum(k.param_tensors for s in stages for k in kinds[s])
+            t = end[r]
+            for numel, ranks in tied:
+                if r in ranks:
+                    t = max(t, max(end[q] for q in ranks)) + self.collective("all_reduce", numel * p.grad, len(ranks),
+                                                                            links["pp"])
+            if d > 1 and lay.zero == 0:
+                tr = 0.0
+                for s in stages:
+                    ns = sum(self.unit_params(k, lay) for k in kinds[s]) - self.shared_duplicates(part, [s])
+                    tr = max(tr, done.get(s, end[r])) + 2 * 4 * ns / bw \
+                        + self.collective("all_reduce", 4 * ns, d, links["dp"])
+                t = max(t, tr) + 2 * 4 * n / bw + tensors * ov
+            elif d > 1 and lay.zero == 1:
+                t += (3 * 4 * n / bw + 2 * tensors * ov                                # flatten
+                      + self.collective("reduce_scatter", 4 * n, d, links["dp"])
+                      + self.collective("all_gather", 4 * n, d, links["dp"])
+                      + 2 * 4 * n / bw + tensors * ov)                                 # copy back
+            elif d > 1 and lay.zero >= 2:
+                red = comm.reduce_scatter_time(n * p.grad, d, links["dp"])
+                t += max(0.0, red - last_bwd[r][1])
+                if lay.zero == 2:
+                    t += comm.all_gather_time(n * p.weight, d, links["dp"])
+            if lay.pp > 1:
+                t += links["pp"].alpha_s
+            if d > 1:
+                t += links["dp"].alpha_s
+            o = self.optimizer_time(lay, n, tensors)
+            finish.append(t + o)
+            opt_of.append(o)
+        r = max(range(lay.pp), key=finish.__getitem__)
+        return max(0.0, finish[r] - opt_of[r] - sim.makespan), opt_of[r]
+
+    def optimizer_time(self, lay: Layout, n: float, tensors: int) -> float:
+        """One optimizer step over a rank's ``n`` parameter elements in ``tensors`` tensors.
+
+        fp32 weights: ``torch.optim.Adam``/``AdamW`` as the runtime runs them (the per-tensor
+        loop, PyTorch's CPU default; the CUDA default ``foreach`` makes the same passes): 8
+        elementwise passes over the states, 20 four-byte element reads/writes per parameter
+        (weight decay 2, ``lerp_`` of m 3, v ``mul_`` 2 and ``addcmul_`` 3, ``sqrt`` 2, divide 2,
+        ``add_`` eps 2, ``addcdiv_`` 4), i.e. 80 bytes per element, plus ~12 node overheads per
+        tensor (the ops, the step counter and its ``.item()``). Measured on the 2-core CI VM:
+        5.2 ns per element on one 4M-element tensor (15.5 GB/s at 80 B/element, the
+        streaming bandwidth the cpu profile measures) and 42 us per 8-element tensor. ZeRO-1
+        steps one flat shard (one tensor of n/dp elements). bf16 weights: a fused
+        mixed-precision Adam (read and write weights, gradients and states once)."""
+        d = lay.dp * lay.cp
+        p = self.precision
+        bw = self.stream_bandwidth(lay)
+        if lay.zero == 1 and d > 1:
+            shard, tensors = n / d, 1
+        else:
+            shard = n / d if (lay.zero >= 1 and d > 1) else n
+        moved = shard * (20 * 4 if p.weight == 4 else (p.weight + p.grad + p.optim) * 2)
+        return moved / bw + self.device.op_overhead_s * tensors * 12
+
+    def stream_bandwidth(self, lay: Layout) -> float:
+        """Bytes/s one rank streams through memory in the runtime's memory-bound work (gradient
+        accumulation, optimizer, flattening): the profile's figure; on the ``cpu`` profile with
+        several ranks, which share one machine's memory system and stream at the same time
+        (every rank steps its optimizer together), ``CPU_SHARED_BANDWIDTH`` of it."""
+        bw = self.device.mem_bandwidth * self.device.mem_efficiency
+        if self.device.name == "cpu" and lay.world > 1:
+            bw *= CPU_SHARED_BANDWIDTH
+        return bw
+
+    def collective(self, kind: str, nbytes: float, n: int, link) -> float:
+        """Ring alpha-beta time of one collective; on the ``cpu`` profile (gloo between
+        processes of one machine) at the effective bandwidth gloo reaches for that collective."""
+        fn = {"all_reduce": comm.all_reduce_time, "reduce_scatter": comm.reduce_scatter_time,
+              "all_gather": comm.all_gather_time}[kind]
+        if self.device.name == "cpu":
+            link = type(link)(alpha_s=link.alpha_s, bandwidth=link.bandwidth * GLOO_EFFICIENCY[kind])
+        return fn(nbytes, n, link)
+
     def peak_memory_only(self, lay: Layout, part: Partition) -> list[float]:
         """Per-rank peak bytes of a fixed-order schedule, without timing it."""
         sched = build(lay.schedule, lay.pp, lay.m, lay.v)
         return self.memory(lay, part, sched.stage_to_rank, self.activation_peaks(sched, lay, part))[1]
 
     def memory(self, lay: Layout, part: Partition, s2r, act_peaks) -> tuple[list[dict], list[float]]:
-        """Per-rank components (bytes) and totals; ``act_peaks`` from the simulator (bytes)."""
+        """Per-rank components (bytes) and totals; ``act_peaks`` from :meth:`activation_peaks`."""
         sc = self.scale(lay)
         p = self.precision
         d = lay.dp * lay.cp
@@ -431,15 +617,22 @@ class Evaluator:
         for r in range(lay.pp):
             kinds = [k for s in range(len(s2r)) if s2r[s] == r for k in stage_kinds[s]]
             n = self.rank_params(lay, part, s2r, r)
+            act = float(act_peaks[r])
+            work = max((k.work_bytes for k in kinds), default=0.0) * sc
+            gout = self.grad_output_bytes(lay, part, s2r, r)
+            # the reduction buffers come after the rank's backward, when its activations and
+            # transients are gone: only what they need beyond the pipeline phase's peak counts
+            red_name, red = self.reduction_bytes(lay, n)
             row = {
                 "weights": p.weight * (n / d if lay.zero >= 3 else n),
                 "gradients": p.grad * (n / d if lay.zero >= 2 else n),
-                "optimizer": p.optim * (n / d if lay.zero >= 1 else n),
-                "activations": float(act_peaks[r]),
-                "working": max((k.work_bytes for k in kinds), default=0.0) * sc,
-                "grad outputs": self.grad_output_bytes(lay, part, s2r, r),
+                "optimizer": self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n),
+                "activations": act,
+                "working": work,
+                "grad outputs": gout,
                 "p2p buffers": self.p2p_bytes(lay, part, s2r, r),
-                "dp buckets": min(2 * self.bucket_bytes, n * p.grad) if (d > 1 and lay.zero == 0) else 0.0,
+                "dp buckets": max(0.0, red - (act + work + gout)) if red_name == "dp buckets" else 0.0,
+                "zero-1 buffers": max(0.0, red - (act + work + gout)) if red_name == "zero-1 buffers" else 0.0,
                 "zero-3 gather": 2 * max((self.unit_weight_bytes(k, lay) for k in kinds), default=0.0)
                 if lay.zero >= 3 and d > 1 else 0.0,
                 "runtime": runtime_overhead(self.device),
