@@ -101,7 +101,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
     f_unit = [ev.unit_times(k, lay)[0] for k, _ in runs]
     act_unit = [k.saved_bytes * sc for k, _ in runs]
     in_max = max(k.in_bytes for k, _ in runs) * sc
-    stat_unit = [ev.unit_static(k, lay) for k, _ in runs]
+    stat_unit = [ilp_unit_static(ev, k, lay) for k, _ in runs]
     # CBC needs coefficients of similar size: times in units of the slowest unit, bytes in GiB
     TS = max(t_unit) or 1.0
     MS = float(GiB)
@@ -125,7 +125,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
         if tail and s2r[S - 1] == rank:
             held.append(runs[-1])
         work = max(k.work_bytes for k, _ in held) * sc
-        out_max = max(k.out_bytes for k, _ in held) * sc
+        out_max = max(max(k.out_bytes, k.in_bytes) for k, _ in held) * sc
         return sum(_fixed_memory(ev, lay, work, out_max).values()) / MS
 
     prob = pulp.LpProblem("stage_boundaries", pulp.LpMinimize)
@@ -268,12 +268,28 @@ def _set_warm_start(part, y, a, binaries, r, extra, act, z, runs, starts, f_unit
     z.setInitialValue(max(load))
 
 
+def ilp_unit_static(ev: Evaluator, kind, lay: Layout) -> float:
+    """Bytes a unit adds to its rank whatever the schedule: parameters, gradients, optimizer
+    states (``Evaluator.unit_static``), plus upper bounds of the parameter-proportional terms
+    ``Evaluator.memory`` counts: the gradients a W returns before they are accumulated (at most
+    the rank's parameters once) and ZeRO-0/1's reduction buffers (all of them, not only their
+    excess over the activations). So a cut the ILP accepts fits under the estimate too."""
+    n = ev.unit_params(kind, lay)
+    extra = ev.precision.weight * n
+    if lay.dp * lay.cp > 1 and lay.zero <= 1:
+        extra += ev.reduction_bytes(lay, n)[1]
+    return ev.unit_static(kind, lay) + extra
+
+
 def _fixed_memory(ev: Evaluator, lay: Layout, work: float, out_max: float) -> dict:
-    """Per-rank memory the boundaries do not change, at least what ``Evaluator.memory`` counts."""
+    """Per-rank memory the boundaries do not change, at least what ``Evaluator.memory`` counts:
+    a rank's stages have at most 2 crossing boundaries each, every one holding m sent tensors
+    until the end of the step, plus two receive buffers."""
     d = lay.dp * lay.cp
     gather = 0.0
     if lay.zero >= 3 and d > 1:
         gather = 2 * max(ev.unit_weight_bytes(k, lay) for k, _ in ev.profile.runs())
-    return {"working": work, "p2p": 2 * out_max if lay.pp > 1 else 0.0,
-            "dp": 2 * ev.bucket_bytes if (d > 1 and lay.zero == 0) else 0.0,
+    p2p = (2 * lay.v * lay.m + 2) * out_max if lay.pp > 1 else 0.0
+    return {"working": work, "p2p": p2p,
+            "dp": 2 * ev.bucket_bytes if (d > 1 and lay.zero >= 2) else 0.0,
             "zero-3 gather": gather, "runtime": runtime_overhead(ev.device)}

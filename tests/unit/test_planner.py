@@ -132,7 +132,7 @@ def test_memory_formula_matches_estimate(gpt_profile):
 def _brute_force(ev, lay, sched, frac, limit):
     """Every contiguous cut and recompute choice: the smallest busiest-rank time that fits the
     ILP's own memory accounting (live vectors x saved bytes + static + fixed terms)."""
-    from autopar.planner.ilp import _fixed_memory
+    from autopar.planner.ilp import _fixed_memory, ilp_unit_static
 
     U, S = len(ev.units), lay.num_stages
     s2r = sched.stage_to_rank
@@ -155,10 +155,10 @@ def _brute_force(ev, lay, sched, frac, limit):
             ok = True
             for r in range(lay.pp):
                 stages = [s for s in range(S) if s2r[s] == r]
-                static = sum(ev.unit_static(u.kind, lay) for s in stages for u in ev.units[bounds[s]:bounds[s + 1]])
+                static = sum(ilp_unit_static(ev, u.kind, lay) for s in stages for u in ev.units[bounds[s]:bounds[s + 1]])
                 held = [u.kind for s in stages for u in ev.units[bounds[s]:bounds[s + 1]]]
                 fixed = sum(_fixed_memory(ev, lay, max(k.work_bytes for k in held) * sc,
-                                          max(k.out_bytes for k in held) * sc).values())
+                                          max(max(k.out_bytes, k.in_bytes) for k in held) * sc).values())
                 for v in vecs[r]:
                     if static + sum(c * act[s] for s, c in v.items()) + fixed > limit * (1 + 1e-9):
                         ok = False
