@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from autopar.schedules import build, simulate
+from autopar.schedules.simulate import peak_memory
 from autopar.schedules.costs import Costs
 
 from . import comm
@@ -324,12 +325,10 @@ class Evaluator:
     def activation_peaks(self, sched, lay: Layout, part: Partition) -> tuple[float, ...]:
         """Per-rank peak of saved activations over the schedule's action order (bytes).
 
-        Like ``schedules.simulate.peak_memory`` with per-stage amounts, except that I may add
-        memory: after I a microbatch holds what W reads (``saved_after_i``), the saved values
-        plus what I computed for W, which can exceed what F saved. A recomputing stage keeps
+        ``schedules.simulate.peak_memory`` with per-stage amounts after F and after I: after I a
+        microbatch holds what W reads (``saved_after_i``), the saved values plus what I computed
+        for W, which can exceed what F saved. A recomputing stage keeps
         only its input until I, and its I/W pair is counted as keeping that."""
-        from autopar.schedules.ir import B, F, I, W
-
         sc = self.scale(lay)
         after_f, after_i = [], []
         for kinds, rc in zip(self.stage_kinds(part), part.recompute):
@@ -344,20 +343,9 @@ class Evaluator:
         hit = self._act_peaks.get(key)
         if hit is not None and hit[0] is sched:
             return hit[1]
-        delta = {F: after_f, I: [a - b for a, b in zip(after_i, after_f)], W: [-a for a in after_i],
-                 B: [-a for a in after_f]}
-        peaks = []
-        for acts in sched.actions:
-            mem = peak = 0.0
-            for a in acts:
-                d = delta.get(a.type)
-                if d is not None:
-                    mem += d[a.stage]
-                    if mem > peak:
-                        peak = mem
-            peaks.append(peak)
-        self._act_peaks[key] = (sched, tuple(peaks))
-        return tuple(peaks)
+        peaks = peak_memory(sched, after_f, after_i_bytes=after_i)
+        self._act_peaks[key] = (sched, peaks)
+        return peaks
 
     def message_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
         b = part.bounds

@@ -284,8 +284,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     if not feas and not any(c.peak is not None for c in cands):
         # nothing passed the screen: simulate the least hungry layouts, to say how close they come
         for c in sorted((c for c in cands if c.status == "rejected"), key=lambda c: c.screen_need)[:5]:
-            if _simulate(ev, c) is False and c.estimate is None:
-                c.estimate = None  # memory-only: c.peaks says how far over it is
+            _simulate(ev, c)  # over the limit for sure; c.peaks / c.estimate say by how much
     chosen = feas[0] if feas else None
     if chosen is not None:
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
@@ -376,8 +375,10 @@ def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
         c.estimate = ev.evaluate(lay, Partition(balanced_partition(_unit_totals(ev, lay), S), (True,) * S))
     sched = c.estimate.schedule_obj
     if lay.schedule == "zb-auto":  # its order depends on the boundaries: plan memory with zb-h1's
-        sched = registry.build("zb-h1", lay.pp, lay.m, lay.v) if registry.GENERATORS["zb-h1"].constraints[0].ok(
-            lay.pp, lay.m, lay.v) else sched
+        try:
+            sched = registry.build("zb-h1", lay.pp, lay.m, lay.v)
+        except ValueError:
+            pass  # zb-h1 does not take this (pp, m, v): keep the zb-auto order just priced
     frac = ev.i_free_fraction(c.estimate.partition)
     res = solve_partition(ev, lay, sched, frac, time_limit=req.ilp_time_limit, warm=c.estimate.partition)
     c.ilp = res

@@ -49,27 +49,32 @@ class SimResult:
 
 
 def peak_memory(schedule: Schedule, stage_bytes: Sequence[float] | None = None,
-                i_free_fraction: float = 0.5) -> tuple[float, ...]:
-    """Per-rank peak activation memory of ``schedule`` (see the module docstring)."""
+                i_free_fraction: float = 0.5, after_i_bytes: Sequence[float] | None = None) -> tuple[float, ...]:
+    """Per-rank peak activation memory of ``schedule`` (see the module docstring).
+
+    ``after_i_bytes`` (with ``stage_bytes``): what each stage's microbatch holds between its I
+    and its W, in place of ``(1 - i_free_fraction) * stage_bytes``; it may exceed the F amount
+    (I computes values that W reads), so I can raise the memory too.
+    """
     if not 0.0 <= i_free_fraction <= 1.0:
         raise ValueError(f"i_free_fraction must be in [0, 1], got {i_free_fraction}")
     act = activation_units(schedule.stage_to_rank, stage_bytes)
+    if after_i_bytes is None:
+        after_i = tuple(a * (1.0 - i_free_fraction) for a in act)
+    else:
+        if stage_bytes is None or len(after_i_bytes) != len(act):
+            raise ValueError(f"after_i_bytes needs stage_bytes and one entry per stage ({len(act)})")
+        after_i = tuple(float(x) for x in after_i_bytes)
+    delta = {F: act, I: tuple(b - a for a, b in zip(act, after_i)), W: tuple(-b for b in after_i),
+             B: tuple(-a for a in act)}
     peaks = []
     for acts in schedule.actions:
         mem = peak = 0.0
         # An F&B overlap unit is (F, B) in program order: the F's memory is live before the B
         # half releases its own, so walking the order gives the unit's peak too.
         for a in acts:
-            s = a.stage
-            if a.type == F:
-                mem += act[s]
-                peak = max(peak, mem)
-            elif a.type == I:
-                mem -= act[s] * i_free_fraction
-            elif a.type == W:
-                mem -= act[s] * (1.0 - i_free_fraction)
-            elif a.type == B:
-                mem -= act[s]
+            mem += delta[a.type][a.stage]
+            peak = max(peak, mem)
         peaks.append(peak)
     return tuple(peaks)
 
