@@ -257,10 +257,6 @@ class Evaluator:
             return "zero-1 buffers", 4.0 * (2 * n + n / d)
         return "dp buckets", min(2 * self.bucket_bytes, n * self.precision.grad)
 
-    def unit_saved(self, kind: UnitKind, lay: Layout, recompute: bool) -> float:
-        sc = self.scale(lay)
-        return (kind.in_bytes if recompute else kind.saved_bytes) * sc
-
     # ------------------------------------------------------------------ stages
     def stage_kinds(self, part: Partition) -> list[list[UnitKind]]:
         b = part.bounds

@@ -179,12 +179,6 @@ class UnitKind:
             out.append(const + scale * slope)
         return tuple(out)
 
-    def measured_times(self, device) -> tuple[float, float, float] | None:
-        """The measured (F, I, W) seconds at the captured microbatch when ``device`` is this
-        machine's measured cpu profile and the unit can be run; timed on first use, cached."""
-        m = self._measurement(device)
-        return None if m is None else m[0]
-
     def _measurement(self, device):
         if self.measure is None or getattr(device, "name", None) != "cpu" or not getattr(device, "measured", False):
             return None
@@ -216,7 +210,6 @@ class ModelProfile:
     # parameters held by more than one unit: (unit indices, elements); a rank holding several of
     # those units stores one copy (one weight, one gradient, one optimizer state)
     shared_params: tuple[tuple[tuple[int, ...], int], ...] = ()
-    has_captured_graph: bool = True  # False when units stand for layers that were not captured
     captured: object = field(default=None, repr=False)
     unit_timer: object = field(default=None, repr=False)  # times the units on this machine (real CPU captures)
 
@@ -649,5 +642,5 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     shared = tuple((tuple(us), int(numel.get(fqn, 0))) for fqn, us in sorted(held_by.items()) if len(us) > 1)
     return ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
                         n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
-                        shared_params=shared, has_captured_graph=not layer_repeats, captured=captured,
+                        shared_params=shared, captured=captured,
                         unit_timer=timer if real else None)
