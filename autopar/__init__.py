@@ -7,7 +7,7 @@ from autopar.errors import CaptureError
 from autopar.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel"]
+__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "nn"]
 
 
 def __getattr__(name):
@@ -16,4 +16,8 @@ def __getattr__(name):
         from autopar import api
 
         return getattr(api, name)
+    if name == "nn":  # autopar.nn.MoE without a separate import
+        import importlib
+
+        return importlib.import_module("autopar.nn")
     raise AttributeError(name)

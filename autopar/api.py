@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,8 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``plan``: an ``autopar.Plan``; None asks the planner (``autopar.planner``) for the current
     world (the process group's size, or 1 in local mode) on the current device's profile, when
     the graph is captured; rank 0 plans and every rank takes its plan; the choice is logged.
+    That search covers pp, dp, ZeRO 0-3, the schedules and, for models built from
+    ``autopar.nn.MoE``, ep; context parallelism is set explicitly (``Plan(cp=...)``).
     ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
     for the first ``step`` (a loss_fn needs a target to be traced).
     ``timeout``: seconds a rank waits for a peer before reporting where every rank was
@@ -89,6 +92,8 @@ class ParallelModel:
         self.timeout = timedelta(seconds=float(timeout if timeout is not None else os.environ.get("AUTOPAR_TIMEOUT", "300")))
         self.generated = generated
         self.grad_reduce, self.bucket_bytes = grad_reduce, bucket_bytes
+        self._mesh = None
+        self._expert_shards: dict = {}  # fqn -> ExpertShard of parameters sharded by expert parallelism
 
     # -- building ---------------------------------------------------------------------------
 
@@ -109,14 +114,37 @@ class ParallelModel:
                              "or change num_microbatches")
         mb = batch // (plan.dp * m)
         self.plan = plan = replace(plan, num_microbatches=m)  # the plan as resolved, e.g. for printing
+        mesh = None
+        if _distributed():
+            from autopar.runtime.mesh import build_mesh
+
+            mesh = build_mesh(plan.pp, plan.dp, self.timeout, cp=plan.cp, ep=plan.ep)
+        elif plan.cp > 1 or plan.ep > 1:
+            raise ValueError(f"autopar: cp={plan.cp}, ep={plan.ep} need one process per rank (they exchange data by "
+                             "all-to-all); launch under torchrun (or `autopar demo --nproc N`), or use cp=1, ep=1")
+        self._mesh = mesh
+        if plan.cp > 1:
+            _check_sequence_shardable(inputs, target, plan.cp)
+        if plan.ep > 1:
+            from autopar.passes.expert_parallel import apply_expert_parallel
+
+            self._expert_shards = apply_expert_parallel(self.model, plan.ep, mesh.ep_rank, mesh.ep_group)
+            self._params = _unique_params(self.model)
+            log.info("autopar: expert parallel over %d ranks: %d expert parameters sharded", plan.ep,
+                     len(self._expert_shards))
         t0 = time.perf_counter()
         schedule = schedules.build(plan.schedule, plan.pp, m, stages_per_rank=plan.stages_per_rank)
         log.info("autopar: schedule %s, pp=%d, %d stages, %d microbatches of %d", plan.schedule, plan.pp,
                  plan.num_stages, m, mb)
-        mb_inputs = tuple(x[:mb] for x in inputs)
-        mb_target = target[:mb] if target is not None else None
+        mb_inputs = tuple(self._local(x[:mb]) for x in inputs)
+        mb_target = self._local(target[:mb]) if target is not None else None
         captured = capture(self.model, mb_inputs, mb_target, self.loss_fn)
         log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
+        if plan.cp > 1:
+            from autopar.passes.context_parallel import apply_context_parallel
+
+            apply_context_parallel(captured, plan.cp, mesh.cp_rank, mesh.cp_group)
+            log.info("autopar: context parallel over %d ranks: attention rewritten to all-to-all (Ulysses)", plan.cp)
         t1 = time.perf_counter()
         stages = split_stages(captured, plan.num_stages, cuts=list(plan.stage_cuts) if plan.stage_cuts else None)
         log.info("autopar: split into %d stages (cost %s) in %.2fs", len(stages),
@@ -146,33 +174,29 @@ class ParallelModel:
             state[f"buffer:{fqn}"] = b
         for name, c in captured.constants.items():
             state[f"const:{name}"] = c
-        if _distributed():
-            from autopar.runtime.distributed import DistributedPipeline, build_mesh
+        if mesh is not None:
+            from autopar.runtime.distributed import DistributedPipeline
+            from autopar.runtime.mesh import add_tied_groups
 
             lowered = schedules.lower(schedule)
-            mesh = build_mesh(plan.pp, plan.dp, stages, trainable, schedule.stage_to_rank, self.timeout)
+            add_tied_groups(mesh, stages, trainable, schedule.stage_to_rank, self.timeout)
             device = next(iter(self._params.values())).device
             executor = DistributedPipeline(programs, schedule, lowered, state, self._params, mesh, self.timeout, device,
-                                           grad_reduce="zero1" if plan.zero == 1 else self.grad_reduce,
-                                           bucket_bytes=self.bucket_bytes)
+                                           grad_reduce=self.grad_reduce, bucket_bytes=self.bucket_bytes,
+                                           zero=plan.zero, expert_params=frozenset(self._expert_shards))
             if self.generated:
                 from autopar.runtime.codegen import compile_step, generate_source
 
                 src = generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank, mesh.pp_rank)
                 executor.program = compile_step(src)
             trained = [self._params[f] for f in executor.my_params]
-            log.info("autopar: rank %d is pp rank %d, dp rank %d, stages %s", mesh.rank, mesh.pp_rank, mesh.dp_rank,
-                     executor.my_stages)
+            log.info("autopar: rank %d is %s, stages %s%s", mesh.rank, mesh.describe(), executor.my_stages,
+                     f", ZeRO-{executor.zero}" if executor.zero else "")
         else:
             executor = LocalPipeline(programs, schedule, state, self._params)
             trained = [p for p in self._params.values() if p.requires_grad]
         if self._optimizer_factory is not None:
-            if _distributed() and plan.zero == 1 and plan.dp > 1:
-                from autopar.runtime.zero import ZeroOneOptimizer
-
-                self.optimizer = ZeroOneOptimizer(trained, self._optimizer_factory, mesh.dp_group, plan.dp, mesh.dp_rank)
-            else:
-                self.optimizer = self._optimizer_factory(trained)
+            self.optimizer = _make_optimizer(self._optimizer_factory, trained, executor, mesh)
         self._built = _Built(captured, stages, programs, schedule, executor, mb, m,
                              tuple(x.shape[1:] for x in inputs), None if target is None else target.shape[1:])
 
@@ -200,17 +224,18 @@ class ParallelModel:
                              f"shapes {[tuple(s) for s in b.input_shapes]}; shapes are static, re-parallelize for new shapes")
         names = b.captured.inputs + ([b.captured.target] if b.captured.target else [])
         tensors = list(inputs) + ([target] if b.captured.target else [])
-        n_total = plan.dp * b.num_microbatches
+        # every cp rank holds 1/cp of each sequence: its local mean loss gets 1/cp of the weight
+        n_total = plan.dp * b.num_microbatches * plan.cp
         for p in self._params.values():
             p.grad = None
         total = None
-        mesh = getattr(b.executor, "mesh", None)
+        mesh = self._mesh
         replicas = [mesh.dp_rank] if mesh is not None else range(plan.dp)
         for replica in replicas:
             mbs = []
             for k in range(b.num_microbatches):
                 lo = (replica * b.num_microbatches + k) * b.microbatch_size
-                mbs.append({n: t[lo: lo + b.microbatch_size] for n, t in zip(names, tensors)})
+                mbs.append({n: self._local(t[lo: lo + b.microbatch_size]) for n, t in zip(names, tensors)})
             loss = b.executor.run(mbs, 1.0 / n_total)
             total = loss if total is None else total + loss
         if self.optimizer is not None:
@@ -223,31 +248,80 @@ class ParallelModel:
         """Full tensors under the original FQNs (tied parameters under every name).
 
         In distributed mode every rank gets every tensor: each parameter and buffer comes from
-        the pipeline rank that holds it (buffers from this process's dp replica).
+        the pipeline rank that holds it (buffers from this process's replica); ZeRO-3 shards
+        and expert-parallel shards are gathered first.
         """
         b = self._built
-        mesh = getattr(b.executor, "mesh", None) if b is not None else None
-        if mesh is not None and mesh.pp > 1:
-            from autopar.runtime import comms
-
-            owners = {}
-            for prog in b.programs:
-                r = b.schedule.stage_to_rank[prog.stage.index]
-                for fqn in prog.stage.params + prog.stage.buffers:
-                    owners.setdefault(fqn, r)
-            canonical = {}
-            for names in b.captured.aliases.values():
-                for n in names:
-                    canonical[n] = names[0]
-            with torch.no_grad():
-                for fqn, t in self.model.state_dict(keep_vars=True).items():
-                    owner = owners.get(canonical.get(fqn, fqn))
-                    if owner is not None:
-                        comms.broadcast(t.data, src=mesh.global_rank(owner), group=mesh.pp_group)
-        return self.model.state_dict()
+        mesh = self._mesh if b is not None else None
+        if mesh is None:
+            return self.model.state_dict()
+        with self._whole_parameters(write_back=False):
+            if mesh.pp > 1:
+                self._broadcast_from_owners()
+            return {k: v.clone() for k, v in self.model.state_dict().items()}
 
     def load_state_dict(self, state_dict, strict: bool = True):
-        return self.model.load_state_dict(state_dict, strict=strict)
+        if self._mesh is None or self._built is None:
+            return self.model.load_state_dict(state_dict, strict=strict)
+        with self._whole_parameters(write_back=True):
+            result = self.model.load_state_dict(state_dict, strict=strict)
+        reload = getattr(self.optimizer, "reload", None)
+        if reload is not None:
+            reload()
+        return result
+
+    def _broadcast_from_owners(self) -> None:
+        from autopar.runtime import comms
+
+        b, mesh = self._built, self._mesh
+        owners = {}
+        for prog in b.programs:
+            r = b.schedule.stage_to_rank[prog.stage.index]
+            for fqn in prog.stage.params + prog.stage.buffers:
+                owners.setdefault(fqn, r)
+        canonical = {}
+        for names in b.captured.aliases.values():
+            for n in names:
+                canonical[n] = names[0]
+        with torch.no_grad():
+            for fqn, t in self.model.state_dict(keep_vars=True).items():
+                owner = owners.get(canonical.get(fqn, fqn))
+                if owner is not None:
+                    comms.broadcast(t.data, src=mesh.global_rank(owner), group=mesh.pp_group)
+
+    @contextlib.contextmanager
+    def _whole_parameters(self, write_back: bool):
+        """Give every parameter its whole value for the duration (collective on every rank);
+        afterwards re-shard: from the (possibly loaded) whole values when write_back."""
+        from autopar.runtime import comms
+
+        sharded = getattr(self._built.executor, "sharded", None)
+        streamed = sharded is not None and sharded.zero == 3
+        saved = {}
+        if streamed:
+            for fqn, v in sharded.whole().items():
+                saved[fqn] = self._params[fqn].data
+                self._params[fqn].data = v
+        for fqn, shard in self._expert_shards.items():
+            p = self._params[fqn]
+            saved.setdefault(fqn, p.data)
+            p.data = comms.all_gather_dim0(p.data.contiguous(), self._mesh.ep_group)
+        try:
+            yield
+        finally:
+            for fqn, shard in self._expert_shards.items():
+                p = self._params[fqn]
+                if write_back:
+                    n = p.shape[0] // shard.ep
+                    p.data = p.data[shard.ep_rank * n: (shard.ep_rank + 1) * n].clone()
+                else:
+                    p.data = saved[fqn]
+            if sharded is not None and write_back:
+                sharded.load({f: self._params[f].data for f in sharded.group_of})
+            if streamed:
+                for fqn in saved:
+                    if fqn in sharded.group_of:
+                        self._params[fqn].data = saved[fqn]
 
     @property
     def stages(self):
@@ -303,6 +377,14 @@ class ParallelModel:
             raise RuntimeError(f"autopar: {what} needs the captured program; pass example_target= to parallelize "
                                "or run one step first")
 
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a batch tensor along the sequence (dim 1) under context parallelism."""
+        cp = self.plan.cp if self.plan is not None else 1
+        if cp == 1 or self._mesh is None:
+            return t
+        n = t.shape[1] // cp
+        return t.narrow(1, self._mesh.cp_rank * n, n).contiguous()
+
 
 def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> Plan:
     """Ask the planner for this world; rank 0 decides (device profiles are measured per process,
@@ -321,8 +403,13 @@ def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> 
         if device.name == "cpu":  # the ranks' processes share this host's memory
             limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
         t0 = time.perf_counter()
+        # CP is not searched here: it needs the attention head counts (give them to `autopar plan`
+        # or set Plan(cp=...)); EP is, for models built from autopar.nn.MoE
+        experts = [m.n_experts for m in model.modules() if _is_autopar_moe(m)]
         res, info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                               memory_limit=limit, allow_cp=False, allow_ep=False, zero_levels=(0, 1),
+                               memory_limit=limit, allow_cp=False, allow_ep=bool(experts),
+                               n_experts=min(experts, default=0), expert_prefixes=("experts.",),
+                               zero_levels=(0, 1, 2, 3),
                                name=type(model).__name__, progress=lambda msg: log.info("autopar planner: %s", msg))
         if res.chosen is None:
             text = "error:" + report_text(res, info)
@@ -344,6 +431,37 @@ def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> 
     return Plan.from_json(data["plan"]), data["summary"]
 
 
+def _check_sequence_shardable(inputs: tuple, target, cp: int) -> None:
+    for what, t in [(f"input {i}", x) for i, x in enumerate(inputs)] + ([("the target", target)] if target is not None else []):
+        if t.dim() < 2 or t.shape[1] % cp:
+            raise ValueError(f"autopar: cp={cp} shards every input and the target along dim 1 (the sequence), but "
+                             f"{what} has shape {tuple(t.shape)}; use a sequence length divisible by {cp} "
+                             "or cp=1")
+
+
+def _make_optimizer(factory, trained: list, executor, mesh):
+    """The user's optimizer over what this rank trains, sharded per the plan's ZeRO level."""
+    zero = getattr(executor, "zero", 0)
+    experts = set(getattr(executor, "expert_params", []))
+    others = [p for f, p in zip(getattr(executor, "my_params", []), trained) if f in experts]
+    if zero == 1:
+        from autopar.runtime.zero import ZeroOneOptimizer
+
+        plain = [p for p in trained if all(p is not q for q in others)]
+        return ZeroOneOptimizer(plain, factory, mesh.replica_group, mesh.replicas, mesh.replica, others=others)
+    if zero >= 2:
+        from autopar.runtime.sharded import ShardedOptimizer
+
+        return ShardedOptimizer(executor.sharded, factory, others)
+    return factory(trained)
+
+
+def _is_autopar_moe(module: nn.Module) -> bool:
+    from autopar.examples.moe import MoE
+
+    return isinstance(module, MoE)
+
+
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
@@ -359,6 +477,10 @@ def _unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def _batch_size(inputs: tuple, target) -> int:
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"autopar: input {i} is a {type(x).__name__}; pass the model's inputs as a tuple of "
+                             "tensors (one per forward argument)")
     sizes = {tuple(x.shape[:1]) for x in inputs} | ({tuple(target.shape[:1])} if target is not None else set())
     if len(sizes) != 1 or () in sizes:
         shapes = [tuple(x.shape) for x in inputs] + ([tuple(target.shape)] if target is not None else [])

@@ -25,7 +25,7 @@ class Plan:
     stages_per_rank: int | None = None
     stage_cuts: tuple[int, ...] | None = None
     recompute: tuple[int, ...] = field(default=())
-    zero: int = 0  # 1: optimizer states sharded over dp (ZeRO-1)
+    zero: int = 0  # ZeRO level over the dp*cp replicas: 1 optimizer states, 2 + gradients, 3 + parameters
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -36,12 +36,12 @@ class Plan:
             raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {self.num_microbatches!r}")
         if self.stages_per_rank is not None and (not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1):
             raise ValueError(f"autopar.Plan: stages_per_rank must be a positive int or None, got {self.stages_per_rank!r}")
-        if self.zero not in (0, 1):
-            raise ValueError(f"autopar.Plan: zero={self.zero!r}: ZeRO levels 2 and 3 are not available yet; "
-                             "use zero=0 or zero=1 (optimizer states sharded over dp)")
-        if self.cp != 1 or self.ep != 1:
-            raise ValueError(f"autopar.Plan: cp={self.cp}, ep={self.ep}: context and expert parallelism are not "
-                             "available yet; use cp=1, ep=1")
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"autopar.Plan: zero={self.zero!r} must be 0 (none), 1 (optimizer states sharded), "
+                             "2 (+ gradients) or 3 (+ parameters)")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp} "
+                             "(experts are sharded over the ranks that hold the same pipeline stage)")
         from autopar.schedules import default_stages_per_rank, names
 
         if self.schedule not in names():
@@ -70,7 +70,7 @@ class Plan:
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known})
 
     def table(self) -> str:
-        rows = [("pp", self.pp), ("dp", self.dp), ("schedule", self.schedule),
+        rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
                 ("ZeRO", self.zero)]

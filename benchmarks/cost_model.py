@@ -52,7 +52,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.memory_model import model_kwargs, parse_plans, plan_label, profile_and_price, run_ranks  # noqa: E402
+from benchmarks.memory_model import model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
+from benchmarks.ranks import run_ranks  # noqa: E402
 
 MIN_SPEARMAN = 0.8
 MAX_MEDIAN_ERROR = 0.25

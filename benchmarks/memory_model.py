@@ -38,82 +38,21 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import pickle
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.ranks import run_ranks  # noqa: E402
+
 MAX_ERROR = 0.15
 MAX_UNDER = 0.05
 DEFAULT_PLANS = ("1f1b:4,1f1b:8,gpipe:8,zb-h1:8,zbv:8,interleaved-1f1b:8,"
                  "1f1b:4:pp=1:dp=2:zero=0,1f1b:4:pp=1:dp=2:zero=1")
 MiB = 2 ** 20
-
-
-# ------------------------------------------------------------------------------------------------
-# spawn N gloo ranks (the pattern of tests/dist/harness.py; benchmarks do not import from tests/)
-
-
-def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    out = os.path.join(result_dir, f"rank{rank}.pkl")
-    try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        result = fn(rank, world, *args)
-        with open(out, "wb") as fh:
-            pickle.dump(("ok", result), fh)
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the parent
-        with open(out, "wb") as fh:
-            pickle.dump(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"), fh)
-        os._exit(1)
-
-
-def run_ranks(fn, world: int, *args, timeout_s: float = 60.0, deadline_s: float = 600.0):
-    """Run fn(rank, world, *args) on ``world`` spawned gloo ranks; the per-rank results, or
-    RuntimeError with every rank's traceback (all ranks are killed at the deadline)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store_path, fn, args, tmp, timeout_s))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        end = time.monotonic() + deadline_s
-        while time.monotonic() < end and any(p.is_alive() for p in procs):
-            time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join()
-        results = []
-        for r in range(world):
-            path = os.path.join(tmp, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as fh:
-                    results.append(pickle.load(fh))
-            else:
-                results.append(("missing", f"rank {r} left no result (exit code {procs[r].exitcode})"))
-    errors = [f"--- rank {r}: {msg}" for r, (status, msg) in enumerate(results) if status != "ok"]
-    if hung or errors:
-        raise RuntimeError(f"ranks still running at the deadline: {hung}\n" + "\n".join(map(str, errors)))
-    return [res for _status, res in results]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ Routing (one token = one row of the flattened ``[N, d]`` input):
 routed to expert ``e`` before dropping, ``P_e``: mean routing probability of ``e``); it equals
 ``aux_loss_weight`` under perfectly balanced routing.  The model adds it into its loss.
 
+``forward`` is ``route`` -> ``dispatch`` -> ``compute_experts`` -> ``combine`` (+ ``balance_loss``);
+the expert-parallel form (``autopar.passes.expert_parallel``) overrides ``compute_experts`` only,
+so routing, capacity, dropping and combining stay this module's.
+
 This module has no autopar imports so it can be used on its own.
 """
 
@@ -195,34 +199,53 @@ class MoE(nn.Module):
         dest = torch.where(keep, flat * capacity + rank, torch.full_like(flat, n_experts * capacity))
         return dest, keep, onehot
 
-    # -- forward -------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor):
-        shape = x.shape
-        d = shape[-1]
-        xf = x.reshape(-1, d)
-        n = xf.shape[0]
-        k, n_experts = self.top_k, self.n_experts
-        cap = self.capacity(n)
-        n_slots = n_experts * cap
+    # -- the steps of forward (an expert-parallel form overrides ``compute_experts`` only) ----
+    def dispatch(self, xf: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, capacity: int):
+        """Fill the expert buffer: ``xf[N, d]`` -> (buf ``[E, C, d]``, slot_token ``[E*C]``,
+        slot_gate ``[E*C]``, assignment one-hot ``[k*N, E]``).
 
-        ids, gates, probs = self.route(xf)
-        dest, keep, onehot = self.dispatch_plan(ids, cap)
-
+        ``slot_token[e*C + c]`` is the token filling slot ``c`` of expert ``e`` (``N`` when the
+        slot is empty: it reads an all-zero pad row and its gate is 0); ``slot_gate`` its gate.
+        """
+        n, d = xf.shape
+        n_slots = self.n_experts * capacity
+        dest, _keep, onehot = self.dispatch_plan(ids, capacity)
         # Buffer slot -> token filling it (N: the zero pad row); gate of each slot (0 if empty).
-        token_ids = torch.arange(n, device=x.device).repeat(k)
-        slot_token = torch.full((n_slots + 1,), n, dtype=torch.long, device=x.device)
+        token_ids = torch.arange(n, device=xf.device).repeat(self.top_k)
+        slot_token = torch.full((n_slots + 1,), n, dtype=torch.long, device=xf.device)
         slot_token = slot_token.scatter(0, dest, token_ids)[:n_slots]
-        slot_gate = torch.zeros(n_slots + 1, dtype=gates.dtype, device=x.device)
+        slot_gate = torch.zeros(n_slots + 1, dtype=gates.dtype, device=xf.device)
         slot_gate = slot_gate.scatter(0, dest, gates.t().reshape(-1))[:n_slots]
-
         x_pad = torch.cat([xf, xf.new_zeros(1, d)], dim=0)
-        buf = x_pad.index_select(0, slot_token).view(n_experts, cap, d)
-        out = self.experts(buf).reshape(n_slots, d) * slot_gate.to(x.dtype).unsqueeze(1)
+        buf = x_pad.index_select(0, slot_token).view(self.n_experts, capacity, d)
+        return buf, slot_token, slot_gate, onehot
+
+    def compute_experts(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf[E, C, d]`` -> expert outputs ``[E, C, d]`` (row ``e`` through expert ``e``)."""
+        return self.experts(buf)
+
+    def combine(self, xf: torch.Tensor, out: torch.Tensor, slot_token: torch.Tensor,
+                slot_gate: torch.Tensor) -> torch.Tensor:
+        """Gate-weighted expert outputs ``out[E, C, d]`` index-added back to their tokens, plus
+        the shared experts: ``[N, d]``."""
+        n, d = xf.shape
+        out = out.reshape(-1, d) * slot_gate.to(xf.dtype).unsqueeze(1)
         y = xf.new_zeros(n + 1, d).index_add(0, slot_token, out)[:n]
         if self.shared_expert is not None:
             y = y + self.shared_expert(xf)
+        return y
 
-        # Switch load-balance loss over all k*N assignments (before dropping).
-        frac = onehot.sum(dim=0).float() / (n * k)
-        aux = self.aux_loss_weight * n_experts * (frac * probs.mean(dim=0)).sum()
-        return y.reshape(shape), aux
+    def balance_loss(self, onehot: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """Switch load-balance loss over all ``k*N`` assignments (before dropping)."""
+        frac = onehot.sum(dim=0).float() / onehot.shape[0]
+        return self.aux_loss_weight * self.n_experts * (frac * probs.mean(dim=0)).sum()
+
+    # -- forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor):
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        ids, gates, probs = self.route(xf)
+        buf, slot_token, slot_gate, onehot = self.dispatch(xf, ids, gates, self.capacity(xf.shape[0]))
+        out = self.compute_experts(buf)
+        y = self.combine(xf, out, slot_token, slot_gate)
+        return y.reshape(shape), self.balance_loss(onehot, probs)

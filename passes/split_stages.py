@@ -108,9 +108,17 @@ def _last_use(order: list[fx.Node], pos: dict) -> dict[fx.Node, int]:
     return last
 
 
+def _unwaited_collective(node: fx.Node) -> bool:
+    """The output of a functional collective before its ``wait_tensor`` (CP/EP all-to-alls):
+    it must not cross a stage cut (the receiving rank would get a value still in flight)."""
+    target = getattr(node, "target", None)
+    ns = getattr(target, "namespace", None)
+    return ns == "_c10d_functional" and "wait_tensor" not in str(target)
+
+
 def crossing_profile(order: list[fx.Node]) -> tuple[list[int], list[bool]]:
     """For every cut position c (between order[c-1] and order[c]): bytes crossing, and whether
-    the cut is allowed (only tensors cross). Index 0 and len(order) are the graph's ends."""
+    the cut is allowed (only finished tensors cross). Index 0 and len(order) are the graph's ends."""
     pos = {n: i for i, n in enumerate(order)}
     last = _last_use(order, pos)
     n = len(order)
@@ -123,7 +131,7 @@ def crossing_profile(order: list[fx.Node]) -> tuple[list[int], list[bool]]:
         # the value is live across cuts d+1 .. lu
         diff[d + 1] += _val_bytes(node)
         diff[lu + 1] -= _val_bytes(node)
-        if not isinstance(node.meta.get("val"), torch.Tensor):
+        if not isinstance(node.meta.get("val"), torch.Tensor) or _unwaited_collective(node):
             bad[d + 1] += 1
             bad[lu + 1] -= 1
     crossing, allowed = [], []

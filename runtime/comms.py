@@ -50,6 +50,29 @@ def all_reduce_sum(tensor: torch.Tensor, group=None, async_op: bool = False):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+# torch 2.13 renamed the flat collectives (*_single); GPU images with torch 2.11 have the old names
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_flat(out: torch.Tensor, shard: torch.Tensor, group=None, async_op: bool = False):
+    """``out`` (world * shard.numel()) = every member's shard, concatenated in group rank order."""
+    return _all_gather_flat(out, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter_sum(shard: torch.Tensor, full: torch.Tensor, group=None, async_op: bool = False):
+    """``shard`` = this member's slice of the sum over the group of ``full``."""
+    return _reduce_scatter_flat(shard, full, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every group member's tensor along dim 0, in group rank order."""
+    n = dist.get_world_size(group)
+    out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    all_gather_flat(out, tensor, group=group)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None):
     return dist.broadcast(tensor, src=src, group=group)
 

@@ -1,17 +1,18 @@
 """Distributed mode: this process runs its pipeline rank's lowered action list.
 
-Mesh: global rank = dp_rank * pp + pp_rank (the ranks of one pipeline replica are
-contiguous). Activations and gradients move by tagged isend/irecv; a receive is posted where
+Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one pipeline
+replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by tagged isend/irecv; a receive is posted where
 the lowered schedule puts its RECV and waited on just before the compute that reads it;
 sends complete in the background and are waited on at the end of the step. After the last
 action: tied parameters' gradients are summed over the pipeline ranks that hold them, then
-every gradient is summed over the dp replicas (each microbatch loss was already scaled by
-1/(dp*m), so the sum is the average: divided once).
+every gradient is summed over the dp*cp replicas (each microbatch loss was already scaled by
+1/(dp*m*cp), so the sum is the average: divided once): bucketed all-reduce, or ZeRO-2/3
+reduce-scatter from flat buffers (runtime/sharded.py); expert-sharded parameters (EP) are
+summed over the replicas holding the same experts.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -20,62 +21,8 @@ from autopar.passes.split_backward import LOSS, StageInfo, StageProgram
 
 from . import comms
 from .grad_reduce import BucketedReducer, naive_all_reduce
+from .mesh import Mesh
 from .stage_work import StageWork
-
-
-@dataclass
-class Mesh:
-    pp: int
-    dp: int
-    rank: int
-    pp_group: object = None
-    dp_group: object = None
-    tied_groups: dict = field(default_factory=dict)  # canonical fqn -> group of the pp ranks holding it
-
-    @property
-    def pp_rank(self) -> int:
-        return self.rank % self.pp
-
-    @property
-    def dp_rank(self) -> int:
-        return self.rank // self.pp
-
-    def global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank `pp_rank` in this process's replica."""
-        return self.dp_rank * self.pp + pp_rank
-
-
-def build_mesh(pp: int, dp: int, stages, trainable: set[str], stage_to_rank, timeout: timedelta) -> Mesh:
-    """Create every process group (all ranks call this in the same order)."""
-    rank, world = comms.world()
-    assert pp * dp == world, (pp, dp, world)
-    mesh = Mesh(pp=pp, dp=dp, rank=rank)
-    for d in range(dp):
-        ranks = [d * pp + r for r in range(pp)]
-        g = comms.new_group(ranks, timeout) if pp > 1 else None
-        if d == mesh.dp_rank:
-            mesh.pp_group = g
-    for r in range(pp):
-        ranks = [d * pp + r for d in range(dp)]
-        g = comms.new_group(ranks, timeout) if dp > 1 else None
-        if r == mesh.pp_rank:
-            mesh.dp_group = g
-    # Every rank must derive the same groups: use what every rank knows of every stage (the
-    # trainable parameters it uses), not the gradients only a stage's own rank traced.
-    holders: dict[str, set[int]] = {}
-    for st in stages:
-        for fqn in st.params:
-            if fqn in trainable:
-                holders.setdefault(fqn, set()).add(stage_to_rank[st.index])
-    for fqn in sorted(holders):
-        owners = sorted(holders[fqn])
-        if len(owners) < 2:
-            continue
-        for d in range(dp):
-            g = comms.new_group([d * pp + r for r in owners], timeout)
-            if d == mesh.dp_rank and mesh.pp_rank in owners:
-                mesh.tied_groups[fqn] = g
-    return mesh
 
 
 class PeerTimeout(RuntimeError):
@@ -87,8 +34,12 @@ class DistributedPipeline:
 
     def __init__(self, programs: list[StageProgram | StageInfo], schedule, lowered, state: dict,
                  params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device,
-                 grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20):
-        self.programs = programs
+                 grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20, zero: int = 0,
+                 expert_params: frozenset[str] = frozenset()):
+        if grad_reduce not in ("bucketed", "naive"):
+            raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
+        if zero not in (0, 1, 2, 3):
+            raise ValueError(f"autopar: zero must be 0, 1, 2 or 3, got {zero!r}")
         self.schedule = schedule
         self.lowered = lowered
         self.mesh = mesh
@@ -96,20 +47,41 @@ class DistributedPipeline:
         self.device = device
         self.owner = schedule.stage_to_rank
         self.my_stages = [s for s in range(schedule.num_stages) if self.owner[s] == mesh.pp_rank]
-        self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state, params)
         self.params = params
         self.my_params = sorted({f for s in self.my_stages for f in programs[s].grad_params})
+        self.zero = zero if mesh.replicas > 1 else 0
+        self.grad_reduce = grad_reduce
+        replicated = [f for f in self.my_params if f not in expert_params]
+        self.expert_params = [f for f in self.my_params if f in expert_params]
+        self.sharded = None
+        if self.zero >= 2:
+            from .sharded import ShardedParameters, stream_parameters
+
+            self.sharded = ShardedParameters(
+                params, {s: [f for f in programs[s].grad_params if f in replicated] for s in self.my_stages},
+                self.zero, mesh.replica_group, mesh.replicas, mesh.replica, mesh.tied_groups, timeout)
+            if self.zero == 3:
+                programs = list(programs)
+                for s in self.my_stages:
+                    programs[s] = stream_parameters(programs[s], self.sharded)
+            replicated = []
+        self.programs = programs
+        self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state, params,
+                              grad_sink=self.sharded.accumulate if self.sharded is not None else None)
         self.executed: list[str] = []
         self.position = "not started"
         self.step_index = 0
         self._m = schedule.num_microbatches
-        if grad_reduce not in ("bucketed", "naive", "zero1"):
-            raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
-        self.grad_reduce = grad_reduce  # "zero1": the ZeRO-1 optimizer reduce-scatters in its step
-        self.reducer = None
-        if mesh.dp > 1 and grad_reduce == "bucketed":
-            self.reducer = BucketedReducer(params, {s: list(programs[s].grad_params) for s in self.my_stages},
-                                           mesh.dp_group, bucket_bytes, deferred=set(mesh.tied_groups))
+        # (names, group) of the plain (not ZeRO-2/3) reductions: zero 1 reduce-scatters in its optimizer
+        self._replicated = replicated if self.zero != 1 else []
+        self.reducers = []
+        if grad_reduce == "bucketed":
+            for names, group, size in ((self._replicated, mesh.replica_group, mesh.replicas),
+                                       (self.expert_params, mesh.expert_group, mesh.replicas // mesh.ep)):
+                if names and size > 1:
+                    self.reducers.append(BucketedReducer(
+                        params, {s: [f for f in programs[s].grad_params if f in names] for s in self.my_stages},
+                        group, bucket_bytes, deferred=set(mesh.tied_groups)))
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
@@ -122,8 +94,10 @@ class DistributedPipeline:
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
         self.work.begin(microbatches, loss_scale)
         self._wb_done: dict[int, int] = {}
-        if self.reducer is not None:
-            self.reducer.reset()
+        for reducer in self.reducers:
+            reducer.reset()
+        if self.sharded is not None:
+            self.sharded.begin_step()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
         self._sends: list = []
         self.executed = []
@@ -225,14 +199,13 @@ class DistributedPipeline:
     def _failure_report(self, what: str) -> str:
         """This rank's failure, plus where every other rank said it was (through the c10d store)."""
         me = self.mesh.rank
-        lines = [f"autopar rank {me} (pp {self.mesh.pp_rank}, dp {self.mesh.dp_rank}) at {self.position}: {what}"]
+        lines = [f"autopar rank {me} ({self.mesh.describe()}) at {self.position}: {what}"]
         store = comms.default_store()
         if store is not None:
             try:
                 store.set(f"autopar/at/{me}", self.position)
                 time.sleep(min(2.0, self.timeout.total_seconds() / 10))  # let the others report too
-                world = self.mesh.pp * self.mesh.dp
-                for r in range(world):
+                for r in range(self.mesh.world):
                     key = f"autopar/at/{r}"
                     where = store.get(key).decode() if store.check([key]) else "no report (dead, or stuck in compute)"
                     lines.append(f"  rank {r}: {where}")
@@ -244,21 +217,31 @@ class DistributedPipeline:
 
     def _sync_grads(self) -> None:
         for fqn, group in self.mesh.tied_groups.items():
+            if self.sharded is not None and fqn in self.sharded.group_of:
+                continue  # summed over its holders inside the flat buffer
             p = self.params[fqn]
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             comms.all_reduce_sum(p.grad, group=group)
-        if self.mesh.dp > 1 and self.grad_reduce != "zero1":
-            if self.reducer is not None:
-                self.reducer.finish(self.timeout)
-            else:
-                naive_all_reduce(self.params, self.my_params, self.mesh.dp_group)
+        if self.sharded is not None:
+            self.sharded.finish()
+        if self.grad_reduce == "bucketed":
+            for reducer in self.reducers:
+                reducer.finish(self.timeout)
+        else:
+            if self.mesh.replicas > 1:
+                naive_all_reduce(self.params, self._replicated, self.mesh.replica_group)
+            if self.mesh.replicas // self.mesh.ep > 1:
+                naive_all_reduce(self.params, self.expert_params, self.mesh.expert_group)
 
     def _stage_progress(self, s: int) -> None:
         """Count a finished W/B of stage s; after the last one its gradients can be reduced."""
         self._wb_done[s] = self._wb_done.get(s, 0) + 1
-        if self._wb_done[s] == self._m and self.reducer is not None:
-            self.reducer.stage_done(s)
+        if self._wb_done[s] == self._m:
+            for reducer in self.reducers:
+                reducer.stage_done(s)
+            if self.sharded is not None:
+                self.sharded.stage_done(s)
 
     def _broadcast_loss(self, local: torch.Tensor | None) -> torch.Tensor:
         last_rank = self.owner[-1]
@@ -266,8 +249,8 @@ class DistributedPipeline:
         loss = loss.clone()
         if self.mesh.pp > 1:
             comms.broadcast(loss, src=self.mesh.global_rank(last_rank), group=self.mesh.pp_group)
-        if self.mesh.dp > 1:
-            comms.all_reduce_sum(loss, group=self.mesh.dp_group)
+        if self.mesh.replicas > 1:
+            comms.all_reduce_sum(loss, group=self.mesh.replica_group)
         return loss
 
 

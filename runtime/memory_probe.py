@@ -42,16 +42,29 @@ import weakref
 from typing import Iterable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["PeakTensorMemory", "storage_bytes"]
 
 
+def _plain(tensors) -> Iterable[torch.Tensor]:
+    """Tensors with storage: wrapper subclasses (DTensor: FSDP2's sharded parameters) are
+    replaced by the tensors they wrap."""
+    for t in tensors:
+        if not isinstance(t, torch.Tensor):
+            continue
+        if is_traceable_wrapper_subclass(t):
+            attrs, _ctx = t.__tensor_flatten__()
+            yield from _plain(getattr(t, a) for a in attrs)
+        else:
+            yield t
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views and shared storages once)."""
     seen, total = set(), 0
-    for t in tensors:
+    for t in _plain(tensors):
         if not isinstance(t, torch.Tensor) or t.is_meta or t.layout != torch.strided:
             continue
         st = t.untyped_storage()
@@ -69,7 +82,7 @@ class _Mode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
+        for t in _plain(tree_leaves(out)):
             if isinstance(t, torch.Tensor):
                 self.probe._see(t)
         return out
@@ -127,7 +140,7 @@ class PeakTensorMemory:
 
     def __enter__(self) -> "PeakTensorMemory":
         self._active = True
-        for t in self._baseline:
+        for t in _plain(self._baseline):
             self._see(t)
         self._baseline = []  # no strong references held past enter: they may be freed inside
         self.baseline_bytes = self.live_bytes

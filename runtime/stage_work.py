@@ -14,7 +14,7 @@ from autopar.passes.split_backward import LOSS, StageProgram, grad_key, input_ke
 
 class StageWork:
     def __init__(self, programs: dict[int, StageProgram], num_stages: int, state: dict,
-                 params: dict[str, torch.nn.Parameter]):
+                 params: dict[str, torch.nn.Parameter], grad_sink=None):
         self.programs = programs  # stage index -> program (a rank holds some of the stages)
         self.num_stages = num_stages
         self.state = state
@@ -22,6 +22,8 @@ class StageWork:
         self.envs: dict[tuple[int, int], dict] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self._scale = None
+        # grad_sink(fqn, grad) -> True when it took the gradient (ZeRO-2/3 flat buffers)
+        self.grad_sink = grad_sink
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> None:
         """Start a step: data keys for every held stage and microbatch, the loss tangent."""
@@ -75,6 +77,8 @@ class StageWork:
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
         for fqn in prog.grad_params:
             g = env.pop(f"gparam:{fqn}")
+            if self.grad_sink is not None and self.grad_sink(fqn, g):
+                continue
             p = self.params[fqn]
             if p.grad is None:
                 # a copy: g may alias a tangent that is also sent upstream (out = x + p gives

@@ -11,11 +11,14 @@ AdamW) give the same numbers as the unsharded step.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
+
+from . import comms
 
 
 class ZeroOneOptimizer:
-    def __init__(self, params: list[torch.nn.Parameter], optimizer_factory, dp_group, dp: int, dp_rank: int):
+    def __init__(self, params: list[torch.nn.Parameter], optimizer_factory, dp_group, dp: int, dp_rank: int,
+                 others: list[torch.nn.Parameter] = ()):
+        """``others``: parameters stepped whole, beside the shard (expert-parallel shards)."""
         self.params = params
         self.group, self.dp, self.dp_rank = dp_group, dp, dp_rank
         numel = sum(p.numel() for p in params)
@@ -25,7 +28,13 @@ class ZeroOneOptimizer:
         with torch.no_grad():
             flat = self._flatten([p.detach() for p in params])
             self.master = torch.nn.Parameter(flat[lo: lo + self.shard].clone())
-        self.optimizer = optimizer_factory([self.master])
+        self.optimizer = optimizer_factory([self.master, *others])
+
+    def reload(self) -> None:
+        """Take the shard from the parameters again (after load_state_dict)."""
+        lo = self.dp_rank * self.shard
+        with torch.no_grad():
+            self.master.copy_(self._flatten([p.detach() for p in self.params])[lo: lo + self.shard])
 
     def _flatten(self, tensors) -> torch.Tensor:
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -41,12 +50,12 @@ class ZeroOneOptimizer:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         gflat = self._flatten(grads)
         gshard = torch.empty(self.shard, dtype=torch.float32, device=gflat.device)
-        dist.reduce_scatter_tensor(gshard, gflat, op=dist.ReduceOp.SUM, group=self.group)
+        comms.reduce_scatter_sum(gshard, gflat, group=self.group)
         self.master.grad = gshard
         self.optimizer.step()
         self.master.grad = None
         full = torch.empty(self.total, dtype=torch.float32, device=gflat.device)
-        dist.all_gather_into_tensor(full, self.master.detach(), group=self.group)
+        comms.all_gather_flat(full, self.master.detach(), group=self.group)
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -57,3 +66,4 @@ class ZeroOneOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
             p.grad = None
+        self.optimizer.zero_grad(set_to_none=set_to_none)

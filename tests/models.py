@@ -17,6 +17,9 @@ Cases and what they exercise:
                   integer ``num_batches_tracked``); batch-coupled, so microbatching changes
                   the numbers.
 * ``skip``     -- a long skip connection from the first layer into the last one.
+* ``moe_ep``   -- two blocks of ``autopar.nn.MoE`` (capacity routing, one shared expert) for
+                  expert parallelism; routing is skewed by construction so that the first half
+                  of the batch sends no token to expert 3 (zero tokens for an expert on a rank).
 * ``multi_io`` -- several inputs (float, float mask, int ids, a float input consumed only by
                   the last layer) and a dict output.
 """
@@ -36,7 +39,7 @@ BATCH = 8
 
 __all__ = [
     "BATCH", "ModelCase", "ModelWithLoss", "export_case", "ALL_CASES",
-    "make_gpt", "make_llama", "make_moe", "make_cnn_bn", "make_skip", "make_multi_io",
+    "make_gpt", "make_llama", "make_moe", "make_moe_ep", "make_cnn_bn", "make_skip", "make_multi_io",
 ]
 
 
@@ -388,10 +391,55 @@ def make_multi_io(seed: int = 0) -> ModelCase:
     return ModelCase("multi_io", model, (x, mask, cls, extra), target, multi_io_loss)
 
 
+class MoEBlocksNet(nn.Module):
+    """linear -> n_layers x (h + MoE(h)) -> head; returns (out, summed aux loss)."""
+
+    def __init__(self, d_in=6, d=16, hidden=24, n_experts=4, n_layers=2, n_out=3):
+        super().__init__()
+        from autopar.nn import MoE
+
+        self.inp = nn.Linear(d_in, d)
+        self.layers = nn.ModuleList(MoE(d, hidden, n_experts, 2, n_shared_experts=1, capacity_factor=1.0,
+                                        aux_loss_weight=0.1) for _ in range(n_layers))
+        self.head = nn.Linear(d, n_out)
+
+    def forward(self, x):
+        h = self.inp(x)
+        aux = h.new_zeros(())
+        for moe in self.layers:
+            y, a = moe(h)
+            h = h + y
+            aux = aux + a
+        return self.head(h), aux
+
+
+def moe_ep_loss(out, target):
+    y, aux = out
+    return F.mse_loss(y, target) + aux
+
+
+def make_moe_ep(seed: int = 0) -> ModelCase:
+    torch.manual_seed(seed)
+    model = MoEBlocksNet()
+    with torch.no_grad():
+        # h[..., 0] copies x[..., 0] (+2 on the first half of the batch, -2 on the second);
+        # every router scores expert 3 at -4 * h0: the first half never picks it
+        model.inp.weight[0].zero_()
+        model.inp.weight[0, 0] = 1.0
+        model.inp.bias[0] = 0.0
+        for moe in model.layers:
+            moe.router.weight[3, 0] = -4.0
+    x = torch.randn(BATCH, 6, 6)
+    x[: BATCH // 2, :, 0] = 2.0
+    x[BATCH // 2:, :, 0] = -2.0
+    return ModelCase("moe_ep", model, (x,), torch.randn(BATCH, 6, 3), moe_ep_loss)
+
+
 ALL_CASES: dict[str, Callable[..., ModelCase]] = {
     "gpt": make_gpt,
     "llama": make_llama,
     "moe": make_moe,
+    "moe_ep": make_moe_ep,
     "cnn_bn": make_cnn_bn,
     "skip": make_skip,
     "multi_io": make_multi_io,

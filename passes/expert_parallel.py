@@ -1,0 +1,232 @@
+"""Expert parallelism (EP) for ``autopar.nn.MoE``: each of ``ep`` ranks holds ``E / ep`` experts.
+
+``apply_expert_parallel(model, ep, ep_rank, group)`` rewrites every ``MoE`` of ``model`` in place
+and returns one ``ExpertShard`` per sharded parameter. It runs on the eager module, *before*
+``capture``: the rewritten forward calls a differentiable all-to-all, so the captured graph
+holds the forward all-to-alls and ``split_backward``'s joint trace gets their backward
+all-to-alls for free (design.md §9).
+
+Dispatch (one rank, its own ``N`` tokens; ``E`` experts, ``El = E / ep`` per rank, capacity
+``C`` from the local ``N`` exactly as ``MoE`` computes it):
+
+1. route, rank and drop the local tokens exactly as ``MoE`` does, filling the expert buffer
+   ``buf [E, C, d]`` (expert-major; an empty slot is an all-zero row with gate 0);
+2. all-to-all #1: rows ``[j*El, (j+1)*El)`` of ``buf`` (the slots of rank j's experts) go to
+   rank j; this rank receives ``[ep, El, C, d]`` (chunk i: rank i's tokens for our experts),
+   viewed as ``[El, ep*C, d]``: every local expert sees ``ep * C`` slots;
+3. the local experts (``GroupedExperts`` with ``w1, w3 [El, d, h]``, ``w2 [El, h, d]``) run on it;
+4. all-to-all #2 (the inverse permutation): results go back to the rank that owns the tokens,
+   which now holds ``[E, C, d]`` in expert order again;
+5. combine (gate-weighted index-add into the tokens, shared experts) as ``MoE`` does.
+
+So the output of each rank equals the single-process ``MoE`` (with all ``E`` experts) applied
+to that rank's tokens; the load-balance loss is computed locally, as ``MoE`` does.
+
+Why the all-to-all is *even*: every rank sends exactly ``El * C`` slots to every rank whatever
+the routing, because the buffer has a static ``C`` slots per expert (empty slots are zero rows,
+overflowing assignments are dropped before dispatch). The split sizes are therefore known at
+trace time, no count exchange is needed, and the graph stays static. The price is that padded
+slots travel and are computed. It requires every rank of the EP group to have the same local
+token count ``N`` (same ``C``), which equal microbatch shapes guarantee.
+
+Gradients (what the runtime must do): the backward of all-to-all #2 / #1 sends each expert's
+output gradients to the rank holding the expert, so after backward an expert parameter on a
+rank already holds the gradient from the tokens of *every* rank of its EP group. Hence:
+
+* expert parameters (the ``ExpertShard`` FQNs): sum the gradient over the ranks that hold the
+  *same* experts, i.e. the ranks with the same ``ep_rank`` among the ``dp * cp`` ranks of a
+  pipeline stage (``dp * cp / ep`` of them; none when ``ep == dp * cp``);
+* every other parameter (router, shared experts, the rest of the model): sum over all
+  ``dp * cp`` ranks of the stage, as without EP.
+
+With the loss tangent already scaled by ``1 / n_total`` (design.md §5) both are plain sums.
+The forward all-to-alls run inside F, their backward counterparts inside I (on a stage whose
+input carries a gradient, the MoE's input gradient needs both) or W (on a stage without such
+an input, e.g. the first one), and B. So the ranks of an EP group must run the F, I, W and B
+of the same (stage, microbatch) in the same order: the dp ranks of one pipeline rank share a
+schedule, which gives exactly that; no rank may skip an action its peers run.
+State dicts: gather each ``ExpertShard`` over the EP group along ``dim`` (rank order) to get
+the full ``full_shape`` tensor; optimizers (and ZeRO) see the local shard only.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from autopar.examples.moe import GroupedExperts, MoE
+
+log = logging.getLogger("autopar")
+
+__all__ = ["ExpertShard", "ExpertParallelMoE", "apply_expert_parallel"]
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Parameter ``fqn`` holds rows ``[ep_rank * n, (ep_rank + 1) * n)`` of dim ``dim`` of a
+    ``full_shape`` tensor, ``n = full_shape[dim] // ep``; the ``ep`` ranks of its EP group hold
+    the other rows, in rank order."""
+
+    fqn: str
+    dim: int
+    full_shape: tuple[int, ...]
+    ep: int
+    ep_rank: int
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] //= self.ep
+        return tuple(shape)
+
+    @property
+    def rows(self) -> slice:
+        """The slice of dim ``dim`` of the full tensor that this rank holds."""
+        n = self.full_shape[self.dim] // self.ep
+        return slice(self.ep_rank * n, (self.ep_rank + 1) * n)
+
+
+class ExpertParallelMoE(MoE):
+    """``MoE`` whose ``experts`` hold this rank's ``E / ep`` experts; ``compute_experts`` moves
+    the expert buffer to the experts' ranks and back with two even all-to-alls.
+
+    Made by ``apply_expert_parallel`` (which converts a ``MoE`` in place); not constructed
+    directly. ``n_experts`` stays the global ``E``: routing is unchanged.
+    """
+
+    ep: int
+    ep_rank: int
+    ep_group: str | None  # group name (a string, so the module deep-copies); None when ep == 1
+
+    @property
+    def n_local_experts(self) -> int:
+        return self.n_experts // self.ep
+
+    def compute_experts(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.ep == 1:
+            return self.experts(buf)
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        n_experts, cap, d = buf.shape
+        ep, n_local = self.ep, self.n_local_experts
+        splits = [n_local * cap] * ep  # even: C static slots per expert, whatever the routing
+        # buf is expert-major, so rows [j*El*C, (j+1)*El*C) are the slots of rank j's experts
+        recv = all_to_all_single_autograd(buf.reshape(n_experts * cap, d), splits, splits, self.ep_group)
+        # [source rank, local expert, slot, d] -> [local expert, source rank * slot, d]
+        x_local = recv.view(ep, n_local, cap, d).transpose(0, 1).reshape(n_local, ep * cap, d)
+        y_local = self.experts(x_local)
+        # back to [owner rank, local expert, slot, d]: chunk i returns to rank i, its tokens' rows
+        send = y_local.view(n_local, ep, cap, d).transpose(0, 1).reshape(n_experts * cap, d)
+        back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
+        return back.view(n_experts, cap, d)  # chunk j came from rank j: expert order again
+
+    def extra_repr(self) -> str:
+        return (f"n_experts={self.n_experts}, top_k={self.top_k}, ep={self.ep}, ep_rank={self.ep_rank}, "
+                f"local experts [{self.ep_rank * self.n_local_experts}, {(self.ep_rank + 1) * self.n_local_experts})")
+
+
+_EP_CLASSES: dict[type, type] = {MoE: ExpertParallelMoE}
+
+
+def _ep_class(cls: type) -> type:
+    """The expert-parallel class of ``cls`` (a subclass of MoE keeps its own overrides)."""
+    if cls not in _EP_CLASSES:
+        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls),
+                                {"__module__": __name__, "__qualname__": f"ExpertParallel{cls.__name__}"})
+    return _EP_CLASSES[cls]
+
+
+def _looks_like_foreign_moe(module: nn.Module) -> bool:
+    """An MoE block that is not ours: experts as separate modules plus a gate/router
+    (Hugging Face Mixtral, Qwen-MoE, DeepSeek, ...), whose routing is data-dependent."""
+    if isinstance(module, MoE):
+        return False
+    experts = getattr(module, "experts", None)
+    has_router = isinstance(getattr(module, "gate", None), nn.Module) or isinstance(getattr(module, "router", None), nn.Module)
+    return isinstance(experts, nn.Module) and not isinstance(experts, GroupedExperts) and has_router
+
+
+def _resolve_group(group, ep: int, ep_rank: int) -> str | None:
+    if ep == 1:
+        return None
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"autopar: expert parallelism with ep={ep} needs an initialized process group "
+                         "(torch.distributed.init_process_group) and the EP group passed as `group`; "
+                         "use ep=1 without one")
+    name = _resolve_group_name(dist.group.WORLD if group is None else group)
+    size = c10d._get_group_size_by_name(name)
+    if size != ep:
+        raise ValueError(f"autopar: the EP group has {size} ranks but ep={ep}; pass the process group of "
+                         f"the {ep} ranks that share the experts (e.g. dist.new_group(ranks) or a DeviceMesh axis)")
+    rank = dist.get_rank(c10d._resolve_process_group(name))
+    if rank != ep_rank:
+        raise ValueError(f"autopar: ep_rank={ep_rank} but this process is rank {rank} of the EP group; "
+                         f"pass ep_rank=dist.get_rank(group)")
+    return name
+
+
+def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -> dict[str, ExpertShard]:
+    """Shard the experts of every ``autopar.nn.MoE`` in ``model`` over ``ep`` ranks, in place.
+
+    This rank keeps experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of each MoE as copies
+    under the same FQNs (``...experts.w1`` now ``[E/ep, d, h]``); routers, shared experts and
+    buffers stay replicated. ``group`` is the EP process group (a ProcessGroup, group name or
+    1-D DeviceMesh; None: the default group) of ``ep`` ranks; this process must be its rank
+    ``ep_rank``. ``ep == 1`` needs no process group and leaves the numbers unchanged.
+
+    Returns ``{fqn: ExpertShard}`` for every sharded parameter. Build the optimizer after this
+    call: parameters created before it still reference the full expert tensors.
+    """
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"autopar: ep must be a positive integer, got {ep!r}")
+    if not isinstance(ep_rank, int) or not 0 <= ep_rank < ep:
+        raise ValueError(f"autopar: ep_rank must be in [0, ep={ep}), got {ep_rank!r}")
+    foreign = [name or "<root>" for name, m in model.named_modules() if _looks_like_foreign_moe(m)]
+    if foreign:
+        kinds = sorted({type(model.get_submodule(n) if n != "<root>" else model).__name__ for n in foreign})
+        raise ValueError(f"autopar: expert parallelism does not support the MoE block(s) {foreign[:4]} "
+                         f"({', '.join(kinds)}): their experts are separate modules and their routing is "
+                         "data-dependent, so they cannot be captured statically or sharded. Replace them with "
+                         "autopar.nn.MoE (static capacity, batched experts) to use ep > 1")
+    moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError(f"autopar: ep={ep} but {type(model).__name__} has no autopar.nn.MoE module; "
+                         "build the model's MoE layers with autopar.nn.MoE, or use ep=1")
+    done = [name or "<root>" for name, m in moes if isinstance(m, ExpertParallelMoE)]
+    if done:
+        raise ValueError(f"autopar: {done[:4]} are already expert-parallel; apply_expert_parallel runs once per model")
+    for name, m in moes:
+        if m.n_experts % ep:
+            raise ValueError(f"autopar: MoE {name or '<root>'} has n_experts={m.n_experts}, not divisible by "
+                             f"ep={ep}; pick ep among the divisors of {m.n_experts} "
+                             f"({[k for k in range(1, m.n_experts + 1) if m.n_experts % k == 0]})")
+        if not isinstance(m.experts, GroupedExperts):
+            raise ValueError(f"autopar: MoE {name or '<root>'}.experts is a {type(m.experts).__name__}, "
+                             "expected GroupedExperts (batched expert weights [E, ...])")
+    group_name = _resolve_group(group, ep, ep_rank)  # fails here, before any module changes
+
+    shards: dict[str, ExpertShard] = {}
+    for name, m in moes:
+        n_local = m.n_experts // ep
+        lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
+        experts = m.experts
+        prefix = f"{name}.experts." if name else "experts."
+        for pname, p in list(experts._parameters.items()):
+            if p is None:
+                continue
+            assert p.shape[0] == m.n_experts, (prefix + pname, tuple(p.shape))
+            # a copy of the slice: the full tensor is no longer referenced by the model
+            local = nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad)
+            experts._parameters[pname] = local  # same position: named_parameters() keeps its order
+            shards[prefix + pname] = ExpertShard(prefix + pname, 0, tuple(p.shape), ep, ep_rank)
+        m.__class__ = _ep_class(type(m))
+        m.ep, m.ep_rank, m.ep_group = ep, ep_rank, group_name
+        log.info("expert_parallel: %s keeps experts [%d, %d) of %d (ep=%d, rank %d)",
+                 name or "<root>", lo, hi, m.n_experts, ep, ep_rank)
+    return shards
