@@ -53,7 +53,7 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks.memory_model import model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
-from benchmarks.ranks import run_ranks  # noqa: E402
+from tests.dist.harness import run_ranks  # noqa: E402
 
 MIN_SPEARMAN = 0.8
 MAX_MEDIAN_ERROR = 0.25
@@ -289,7 +289,7 @@ def gloo_calibration(sizes=(1 << 20, 3_250_000, 6_500_000, 13_000_000), reps=13)
     from autopar.planner.estimate import CPU_P2P_LATENCY_S, CPU_P2P_MESSAGE_S, GLOO_EFFICIENCY
 
     link = get_profile("cpu").intra
-    load = run_ranks(_p2p_load_main, 2, (32768, 262144), 5)[0]
+    load = run_ranks(_p2p_load_main, 2, (32768, 262144), 5, timeout_s=60.0, deadline_s=600.0)[0]
     print("p2p under load (both ranks computing 10 ms chunks, one message each way per chunk):")
     for nbytes, r in load.items():
         cost = r["lag4"] - r["none"]   # per chunk: one message sent and one received per rank
@@ -297,7 +297,7 @@ def gloo_calibration(sizes=(1 << 20, 3_250_000, 6_500_000, 13_000_000), reps=13)
         print(f"  {nbytes:>7} B: compute time lost per message sent+received {cost * 1e3:.2f} ms "
               f"(estimate.CPU_P2P_MESSAGE_S: {CPU_P2P_MESSAGE_S * 1e3:.2f} ms per message, each side), "
               f"extra wait when needed at once {late * 1e3:.2f} ms (CPU_P2P_LATENCY_S {CPU_P2P_LATENCY_S * 1e3:.2f} ms)")
-    res = run_ranks(_gloo_main, 2, sizes, reps)[0]
+    res = run_ranks(_gloo_main, 2, sizes, reps, timeout_s=60.0, deadline_s=600.0)[0]
     print(f"gloo on 2 local processes; cpu profile link: alpha {link.alpha_s * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s")
     print(f"{'bytes':>10}  {'p2p ms':>7}  {'all_reduce ms':>13}  {'all_gather ms':>13}  {'reduce_scatter ms':>17}")
     eff = {k: [] for k in ("p2p", "all_reduce", "all_gather", "reduce_scatter")}

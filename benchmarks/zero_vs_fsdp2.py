@@ -35,7 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.ranks import run_ranks  # noqa: E402
+from tests.dist.harness import run_ranks  # noqa: E402
 
 KiB = 1024
 

@@ -167,17 +167,6 @@ class ShardedParameters:
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
 
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds for parameters (whole + shards + buffers) and gradient shards."""
-        whole = sum(p.numel() * p.element_size() for f, p in self.params.items()
-                    if f in self.group_of and p.data.numel() and not (self.resident is not None
-                                                                     and self.group_of[f].name == RESIDENT))
-        return {"whole_params": whole,
-                "shards": sum(g.master.numel() * 4 for g in self.groups),
-                "grad_shards": sum(g.master.grad.numel() * 4 for g in self.groups if g.master.grad is not None),
-                "gather_buffers": sum(b.numel() * b.element_size() for b in self.buffers),
-                "resident": 0 if self.resident is None else self.resident.numel() * self.resident.element_size()}
-
     # -- ZeRO-3 parameter streaming ---------------------------------------------------------------
 
     def fetch(self, name: str, next_name: str | None) -> list[torch.Tensor]:
@@ -270,7 +259,10 @@ class ShardedParameters:
         self._reductions.append((work, g, shard, full))
 
     def finish(self) -> None:
-        """End of step: tied groups summed over their holders and reduce-scattered; wait for all."""
+        """End of step: tied groups summed over their holders and reduce-scattered; wait for all
+        (and for any gather still reading the shards, before the optimizer changes them)."""
+        for i in range(len(self.buffers)):
+            self._settle(i)
         for g in self.groups:
             if g.tied is not None:
                 if g.grad_full is None:
@@ -302,8 +294,6 @@ class ShardedParameters:
                         self.params[f].copy_(v)
             return
         self.holds = [None, None]  # buffer contents are stale now
-        for i in (0, 1):
-            self._settle(i) if self.buffers else None
         res = self.by_name.get(RESIDENT)
         if res is not None:
             w = self._gather(res, self.resident, async_op=True)
