@@ -74,7 +74,7 @@ _c10d = torch.ops._c10d_functional
 
 # Attention ops this pass rewrites. q, k, v are their first three arguments, [B, H, S, D];
 # output 0 is the attention output with q's shape (except Dv).
-_ATTENTION = {
+ATTENTION_OPS = {
     aten.scaled_dot_product_attention.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_flash_attention.default,
@@ -114,7 +114,7 @@ def apply_context_parallel(captured: CapturedGraph, cp: int, cp_rank: int, group
     s = _shard_length(captured)
 
     # 1. check everything before changing anything
-    attention = [n for n in graph.nodes if n.op == "call_function" and n.target in _ATTENTION]
+    attention = [n for n in graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     for node in attention:
         _check_attention(node, cp, s)
     aranges, slices = _find_positions(captured, cp, s)

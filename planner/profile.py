@@ -35,6 +35,7 @@ math path that would keep the T x T scores.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 import time
 from dataclasses import dataclass, field
@@ -548,6 +549,21 @@ def _units_of(captured):
     return cuts, labels, split_stages(captured, len(cuts) + 1, cuts)
 
 
+def attention_heads(gm: torch.fx.GraphModule) -> int:
+    """The largest head count every attention's q, k and v heads divide (0 without attention):
+    context parallelism (Ulysses) shards heads, so cp must divide it."""
+    from autopar.passes.context_parallel import ATTENTION_OPS
+
+    heads = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in ATTENTION_OPS:
+            for arg in node.args[:3]:
+                val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+                if val is not None and val.dim() == 4:
+                    heads = math.gcd(heads, int(val.shape[1]))
+    return heads
+
+
 def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=None, *, name: str = "model",
                   layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
                   n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
@@ -574,6 +590,8 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     capture_s = time.perf_counter() - t0
     say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
 
+    if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops
+        n_heads = attention_heads(captured.gm)
     cuts, labels, stages = _units_of(captured)
     t1 = time.perf_counter()
     trainable = set(captured.params.values())

@@ -40,7 +40,30 @@ BATCH = 8
 __all__ = [
     "BATCH", "ModelCase", "ModelWithLoss", "export_case", "ALL_CASES",
     "make_gpt", "make_llama", "make_moe", "make_moe_ep", "make_cnn_bn", "make_skip", "make_multi_io",
+    "memoized_capture",
 ]
+
+
+def memoized_capture(capture):
+    """``capture`` that captures each (model structure, input shapes and dtypes, loss_fn) once.
+
+    Tests that run one zoo model under many plans (schedules, pp, dp) get the same captured
+    graph for every plan: capture is deterministic, reads no parameter values, and
+    split_stages / split_backward only read it, so this saves seconds per sub-case on 2 cores
+    without changing what the sub-cases check. Not for code that rewrites the capture in
+    place (context parallelism).
+    """
+    memo = {}
+
+    def memoized(model, inputs, target=None, loss_fn=None):
+        tensors = (*inputs, *([target] if target is not None else []))
+        key = (repr(model), tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn)
+        if key not in memo:
+            memo[key] = capture(model, inputs, target, loss_fn)
+        return memo[key]
+
+    memoized.memoized = True
+    return memoized
 
 
 @dataclass(frozen=True)

@@ -66,3 +66,14 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float 
     if hung or errors:
         raise AssertionError(f"ranks still running at the deadline: {hung}\n" + "\n".join(map(str, errors)))
     return [res for _status, res in results]
+
+
+
+def reuse_captures() -> None:
+    """In this (spawned) process, capture each zoo model once per plan-independent key
+    (tests/models.memoized_capture). Not for passes that rewrite the capture in place (CP)."""
+    import autopar.passes as passes
+    from tests.models import memoized_capture
+
+    if not getattr(passes.capture, "memoized", False):
+        passes.capture = memoized_capture(passes.capture)

@@ -74,6 +74,9 @@ def check_against_eager(res, ref_losses, ref_state, rank: int) -> None:
 def _train_many(rank, world, subcases):
     import traceback
 
+    from tests.dist.harness import reuse_captures
+
+    reuse_captures()
     out = []
     for case_name, plan, opts in subcases:
         try:

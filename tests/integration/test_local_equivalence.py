@@ -25,6 +25,17 @@ RUNS = [("gpipe", SGD), ("1f1b", ADAMW), ("zb-h1", SGD)]
 FAMILIES = sorted(set(ALL_CASES) - {"moe_ep"})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_capture_per_model():
+    """Every plan of one model reuses its capture (tests/models.memoized_capture)."""
+    import autopar.passes
+    from tests.models import memoized_capture
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(autopar.passes, "capture", memoized_capture(autopar.passes.capture))
+        yield
+
+
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("case_name", FAMILIES)
 def test_local_mode_matches_eager(case_name, pp):

@@ -266,6 +266,18 @@ def _plan_json(capsys, argv):
     return rc, json.loads(capsys.readouterr().out)
 
 
+def test_attention_heads_read_off_the_graph():
+    """`autopar plan --model` gets the head count CP must divide from the captured attention:
+    the test Llama has 4 query heads and 2 key/value heads repeated to 4 before attention."""
+    from autopar.passes import capture
+    from autopar.planner.profile import attention_heads
+    from tests.models import ALL_CASES
+
+    for name, heads in (("llama", 4), ("gpt", 4), ("skip", 0)):
+        case = ALL_CASES[name]()
+        assert attention_heads(capture(case.model, case.inputs, case.target, case.loss_fn).gm) == heads, name
+
+
 def test_long_sequence_needs_cp(capsys):
     args = ["llama3-8b", "--gpus", "64", "--global-batch", "64", "--seq", "131072", "--schedules", "1f1b,zb-h1"]
     rc, data = _plan_json(capsys, args + ["--no-cp"])
