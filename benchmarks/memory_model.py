@@ -131,7 +131,8 @@ def profile_and_price(mk: dict, specs: list[dict], say=print, profile_batch: int
 
 def optimizer_state_tensors(opt) -> list:
     """Every tensor of an optimizer's state (AdamW's step, exp_avg, exp_avg_sq; ZeRO-1's master
-    shard and its inner optimizer's states)."""
+    shard and its inner optimizer's states; ZeRO-2/3's shards, their inner optimizer's states,
+    and ZeRO-3's two gather buffers and resident group, which live as long as the optimizer)."""
     import torch
 
     out = []
@@ -139,6 +140,11 @@ def optimizer_state_tensors(opt) -> list:
     if inner is not None and hasattr(opt, "master"):  # runtime.zero.ZeroOneOptimizer
         out.append(opt.master)
         opt = inner
+    sharded = getattr(opt, "sharded", None)
+    if sharded is not None:  # runtime.sharded.ShardedOptimizer
+        out += sharded.masters() + list(sharded.buffers)
+        out += [sharded.resident] if sharded.resident is not None else []
+        opt = opt.optimizer
     for st in opt.state.values():
         out += [v for v in st.values() if isinstance(v, torch.Tensor)]
     return out

@@ -227,16 +227,27 @@ class Evaluator:
         d = lay.dp * lay.cp
         p = self.precision
         w = p.weight * (n / d if lay.zero >= 3 else n)
-        g = p.grad * (n / d if lay.zero >= 2 else n)
+        g = self.grad_per_param(lay) * n
         o = self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n)
         return w + g + o
 
+    def grad_per_param(self, lay: Layout) -> float:
+        """Gradient bytes per parameter element at the backward's peak. ZeRO-0/1: the gradients.
+        ZeRO-2/3 (``runtime/sharded.py``): a layer group's gradients accumulate whole in its flat
+        fp32 buffer over the step's microbatches and are reduce-scattered after the group's last
+        W (one reduce-scatter per step, not per microbatch), into an fp32 shard: 4 + 4/d."""
+        d = lay.dp * lay.cp
+        if lay.zero >= 2 and d > 1:
+            return 4.0 + 4.0 / d
+        return self.precision.grad
+
     def optim_per_param(self, lay: Layout) -> float:
-        """Optimizer bytes per (sharded) parameter element: Adam's states, plus for ZeRO-1 over
-        dp > 1 with fp32 weights the fp32 master shard ``runtime/zero.py`` keeps (the parameter
-        its inner optimizer steps; with bf16 weights the master is already in ``optim``)."""
+        """Optimizer bytes per (sharded) parameter element: Adam's states, plus for ZeRO-1/2 over
+        dp > 1 with fp32 weights the fp32 master shard ``runtime/zero.py`` / ``sharded.py`` keep
+        beside the whole weights (the parameter the inner optimizer steps; with bf16 weights the
+        master is already in ``optim``; under ZeRO-3 the shard is the weight)."""
         p = self.precision
-        master = 4 if (lay.zero == 1 and lay.dp * lay.cp > 1 and p.weight == 4) else 0
+        master = 4 if (lay.zero in (1, 2) and lay.dp * lay.cp > 1 and p.weight == 4) else 0
         return p.optim + master
 
     def reduction_bytes(self, lay: Layout, n: float) -> tuple[str, float]:
@@ -247,7 +258,8 @@ class Evaluator:
           all of them stay in flight until the reduction finishes: 4 bytes per element;
         * ZeRO-1, ``runtime/zero.py``: the flat fp32 gradients (padded to a multiple of dp), the
           reduce-scattered shard and the all-gathered parameters: 4 * (2n + n/d);
-        * ZeRO-2/3 (not in the runtime): two buckets of ``bucket_bytes``."""
+        * ZeRO-2/3, ``runtime/sharded.py``: none beyond the flat gradients and their shards,
+          which ``grad_per_param`` counts."""
         d = lay.dp * lay.cp
         if d <= 1:
             return "dp buckets", 0.0
@@ -255,7 +267,7 @@ class Evaluator:
             return "dp buckets", 4.0 * n
         if lay.zero == 1:
             return "zero-1 buffers", 4.0 * (2 * n + n / d)
-        return "dp buckets", min(2 * self.bucket_bytes, n * self.precision.grad)
+        return "dp buckets", 0.0
 
     # ------------------------------------------------------------------ stages
     def stage_kinds(self, part: Partition) -> list[list[UnitKind]]:
@@ -377,7 +389,7 @@ class Evaluator:
     def unit_static_per_param(self, lay: Layout) -> float:
         d = lay.dp * lay.cp
         p = self.precision
-        return (p.weight / (d if lay.zero >= 3 else 1) + p.grad / (d if lay.zero >= 2 else 1)
+        return (p.weight / (d if lay.zero >= 3 else 1) + self.grad_per_param(lay)
                 + self.optim_per_param(lay) / (d if lay.zero >= 1 else 1))
 
     def shared_duplicates(self, part: Partition, stages) -> float:
@@ -609,7 +621,7 @@ class Evaluator:
             red_name, red = self.reduction_bytes(lay, n)
             row = {
                 "weights": p.weight * (n / d if lay.zero >= 3 else n),
-                "gradients": p.grad * (n / d if lay.zero >= 2 else n),
+                "gradients": self.grad_per_param(lay) * n,
                 "optimizer": self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n),
                 "activations": act,
                 "working": work,

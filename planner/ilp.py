@@ -290,6 +290,4 @@ def _fixed_memory(ev: Evaluator, lay: Layout, work: float, out_max: float) -> di
     if lay.zero >= 3 and d > 1:
         gather = 2 * max(ev.unit_weight_bytes(k, lay) for k, _ in ev.profile.runs())
     p2p = (2 * lay.v * lay.m + 2) * out_max if lay.pp > 1 else 0.0
-    return {"working": work, "p2p": p2p,
-            "dp": 2 * ev.bucket_bytes if (d > 1 and lay.zero >= 2) else 0.0,
-            "zero-3 gather": gather, "runtime": runtime_overhead(ev.device)}
+    return {"working": work, "p2p": p2p, "zero-3 gather": gather, "runtime": runtime_overhead(ev.device)}
