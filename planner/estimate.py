@@ -3,15 +3,16 @@ microbatching + stage boundaries + recompute), from a ModelProfile and a DeviceP
 
 Time: each stage's F, I and W are the sums of its units' times (roofline per node); CP adds the
 Ulysses all-to-alls around each attention to F and I, EP the token dispatch/combine around each
-MoE, ZeRO-3 the parameter all-gathers and gradient reduce-scatters, overlapped with the unit's
-compute (a unit takes the longer of the two). The schedule is replayed by the simulator with
+MoE, ZeRO-3 the parameter all-gather of every F and I, overlapped with the unit's compute (a
+unit takes the longer of the two; on the cpu profile, where gloo shares the cores, the sum). The schedule is replayed by the simulator with
 these per-stage costs and the P2P transfer time of each stage boundary. Per stage the runtime
 adds: stage 0's I is empty (its W does the whole backward), every W/B adds its gradients into
 ``.grad``, and on the cpu profile every cross-rank message costs the rank compute time. After
 the pipeline, in the runtime's order (:meth:`Evaluator.after_pipeline`): tied weights summed
 over the pipeline ranks holding them, the data-parallel reduction (ZeRO-0: started when a
 stage's last W/B ran, overlapped only with the rank's later actions; ZeRO-1: reduce-scatter
-and all-gather inside the optimizer step, not overlapped), then the optimizer step
+and all-gather inside the optimizer step, not overlapped; ZeRO-2/3: one reduce-scatter per
+layer group after its last W, ZeRO-2's all-gather after the step), then the optimizer step
 (memory-bound, torch's Adam passes). ``step = makespan + dp_exposed + optimizer``. On the
 ``cpu`` profile units are priced from their measured programs (``UnitKind.times``) and gloo's
 collectives, P2P under load and shared memory bandwidth use the measured constants below.
@@ -203,11 +204,13 @@ class Evaluator:
             a2a = 2 * comm.all_to_all_time(kind.dispatch_bytes * sc, lay.ep, links["ep"])
             f, i = f + a2a, i + a2a
         if lay.zero == 3 and lay.dp * lay.cp > 1:
-            d = lay.dp * lay.cp
-            gather = comm.all_gather_time(self.unit_weight_bytes(kind, lay), d, links["dp"])
-            scatter = comm.reduce_scatter_time(self.unit_grad_bytes(kind, lay), d, links["dp"])
-            f = max(f, gather)
-            w = max(w, gather + scatter - i)
+            # runtime/sharded.py: F and I of every microbatch gather the unit's layer group (W
+            # reads no parameters); the reduce-scatter is once per step (after_pipeline)
+            gather = self.collective("all_gather", self.unit_weight_bytes(kind, lay), lay.dp * lay.cp, links["dp"])
+            if self.device.name == "cpu":  # gloo and the programs share the cores: nothing hides
+                f, i = f + gather, i + gather
+            else:  # prefetched into the other buffer while the previous group computes
+                f, i = max(f, gather), max(i, gather)
         self._times[key] = (f, i, w)
         return self._times[key]
 
@@ -217,9 +220,6 @@ class Evaluator:
 
     def unit_weight_bytes(self, kind: UnitKind, lay: Layout) -> float:
         return self.unit_params(kind, lay) * self.precision.weight
-
-    def unit_grad_bytes(self, kind: UnitKind, lay: Layout) -> float:
-        return self.unit_params(kind, lay) * self.precision.grad
 
     def unit_static(self, kind: UnitKind, lay: Layout) -> float:
         """Parameter + gradient + optimizer bytes of one unit on one rank, after ZeRO sharding."""
@@ -494,8 +494,9 @@ class Evaluator:
         * the loss is broadcast over the pipeline and summed over dp (one latency each);
         * the optimizer (:meth:`optimizer_time`).
 
-        ZeRO-2/3 (not in the runtime yet) keep the overlapped form: the reduction hides behind
-        the rank's last backward, ZeRO-2's parameter all-gather follows the step."""
+        * ZeRO-2/3, dp > 1 (``runtime/sharded.py``): each layer group's reduce-scatter starts
+          after its last W and hides behind the rank's last backward (not on ``cpu``, where
+          gloo shares the cores); ZeRO-2's parameter all-gather and copy follow the step."""
         d = lay.dp * lay.cp
         p = self.precision
         bw = self.stream_bandwidth(lay)
@@ -542,10 +543,12 @@ class Evaluator:
                       + self.collective("all_gather", 4 * n, d, links["dp"])
                       + 2 * 4 * n / bw + tensors * ov)                                 # copy back
             elif d > 1 and lay.zero >= 2:
-                red = comm.reduce_scatter_time(n * p.grad, d, links["dp"])
-                t += max(0.0, red - last_bwd[r][1])
+                # runtime/sharded.py: each layer group's flat fp32 gradients are reduce-scattered
+                # once, after its last W; ZeRO-2 then all-gathers the stepped shards and copies them
+                red = self.collective("reduce_scatter", 4 * n, d, links["dp"])
+                t += red if self.device.name == "cpu" else max(0.0, red - last_bwd[r][1])
                 if lay.zero == 2:
-                    t += comm.all_gather_time(n * p.weight, d, links["dp"])
+                    t += self.collective("all_gather", n * p.weight, d, links["dp"]) + 2 * 4 * n / bw
             if lay.pp > 1:
                 t += links["pp"].alpha_s
             if d > 1:
