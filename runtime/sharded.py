@@ -320,10 +320,14 @@ class ShardedParameters:
                 flat = self._flatten(g, [values[f].to(g.dtype) for f in g.fqns])
                 shard = g.padded // self.replicas
                 g.master.copy_(flat[self.replica * shard: (self.replica + 1) * shard].to(torch.float32))
-                if not g.streamed:
+                if self.resident is not None and g.name == RESIDENT:
+                    # the parameters may point elsewhere right now (state_dict/load_state_dict
+                    # swap whole values in): write the buffer their views live in
+                    self.resident.copy_(flat)
+                elif not g.streamed:
                     for f, v in zip(g.fqns, g.views(flat)):
-                        self.params[f].data.copy_(v) if self.params[f].data.numel() else None
-        self.holds = [None, None]
+                        self.params[f].data.copy_(v)
+        self.holds = [None, None]  # the gather buffers hold values from before the load
 
 
 class ShardedOptimizer:
