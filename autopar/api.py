@@ -403,8 +403,9 @@ def _auto_plan(model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> 
         if device.name == "cpu":  # the ranks' processes share this host's memory
             limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
         t0 = time.perf_counter()
-        # CP is not searched here: it needs the attention head counts (give them to `autopar plan`
-        # or set Plan(cp=...)); EP is, for models built from autopar.nn.MoE
+        # CP is not searched here: the planner knows the head counts, but not whether the CP pass
+        # can rewrite this model (it refuses explicit attention masks, for one), and a chosen
+        # cp > 1 would then fail; set Plan(cp=...). EP is, for models built from autopar.nn.MoE
         experts = [m.n_experts for m in model.modules() if _is_autopar_moe(m)]
         res, info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
                                memory_limit=limit, allow_cp=False, allow_ep=bool(experts),
