@@ -196,7 +196,7 @@ class ParallelModel:
             executor = LocalPipeline(programs, schedule, state, self._params)
             trained = [p for p in self._params.values() if p.requires_grad]
         if self._optimizer_factory is not None:
-            self.optimizer = _make_optimizer(self._optimizer_factory, trained, executor, mesh)
+            self.optimizer = _make_optimizer(self._optimizer_factory, trained, executor, mesh, self._params)
         self._built = _Built(captured, stages, programs, schedule, executor, mb, m,
                              tuple(x.shape[1:] for x in inputs), None if target is None else target.shape[1:])
 
@@ -440,21 +440,21 @@ def _check_sequence_shardable(inputs: tuple, target, cp: int) -> None:
                              "or cp=1")
 
 
-def _make_optimizer(factory, trained: list, executor, mesh):
-    """The user's optimizer over what this rank trains, sharded per the plan's ZeRO level."""
-    zero = getattr(executor, "zero", 0)
-    experts = set(getattr(executor, "expert_params", []))
-    others = [p for f, p in zip(getattr(executor, "my_params", []), trained) if f in experts]
+def _make_optimizer(factory, trained: list, executor, mesh, params: dict):
+    """The user's optimizer over what this rank trains, sharded per the plan's ZeRO level
+    (expert-parallel shards are stepped whole beside the ZeRO shards)."""
+    zero = getattr(executor, "zero", 0)  # local mode runs unsharded
+    if zero == 0:
+        return factory(trained)
+    experts = [params[f] for f in executor.expert_params]
     if zero == 1:
         from autopar.runtime.zero import ZeroOneOptimizer
 
-        plain = [p for p in trained if all(p is not q for q in others)]
-        return ZeroOneOptimizer(plain, factory, mesh.replica_group, mesh.replicas, mesh.replica, others=others)
-    if zero >= 2:
-        from autopar.runtime.sharded import ShardedOptimizer
+        plain = [params[f] for f in executor.my_params if f not in set(executor.expert_params)]
+        return ZeroOneOptimizer(plain, factory, mesh.replica_group, mesh.replicas, mesh.replica, others=experts)
+    from autopar.runtime.sharded import ShardedOptimizer
 
-        return ShardedOptimizer(executor.sharded, factory, others)
-    return factory(trained)
+    return ShardedOptimizer(executor.sharded, factory, experts)
 
 
 def _is_autopar_moe(module: nn.Module) -> bool:

@@ -52,7 +52,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.memory_model import model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
+from benchmarks.memory_model import add_model_args, model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 
 MIN_SPEARMAN = 0.8
@@ -321,12 +321,7 @@ def gloo_calibration(sizes=(1 << 20, 3_250_000, 6_500_000, 13_000_000), reps=13)
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="global batch")
-    ap.add_argument("--vocab", type=int, default=256)
+    add_model_args(ap)
     ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated schedule:m[:pp=P:dp=D:zero=Z]")
     ap.add_argument("--steps", type=int, default=7, help="timed rounds (every plan steps once per round)")
     ap.add_argument("--warmup", type=int, default=2)

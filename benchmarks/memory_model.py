@@ -59,6 +59,16 @@ MiB = 2 ** 20
 # planner side (shared with benchmarks/cost_model.py)
 
 
+def add_model_args(ap, layers=8, d_model=128, heads=4, seq=64, batch=16, vocab=256) -> None:
+    """The examples/gpt size flags every planner/runtime benchmark takes (``model_kwargs`` reads them)."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--d-model", type=int, default=d_model)
+    ap.add_argument("--heads", type=int, default=heads)
+    ap.add_argument("--seq", type=int, default=seq)
+    ap.add_argument("--batch", type=int, default=batch, help="global batch")
+    ap.add_argument("--vocab", type=int, default=vocab)
+
+
 def model_kwargs(args) -> dict:
     return dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
                 batch_size=args.batch, vocab_size=args.vocab, seed=0)
@@ -202,12 +212,7 @@ def _rank_main(rank, world, cfg):
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="global batch")
-    ap.add_argument("--vocab", type=int, default=256)
+    add_model_args(ap)
     ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated schedule:m[:pp=P:dp=D:zero=Z]")
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds before the parent kills the ranks")
     return ap.parse_args(argv)

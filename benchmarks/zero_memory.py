@@ -32,6 +32,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.memory_model import add_model_args, model_kwargs  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 
 TARGET = 0.30
@@ -77,12 +78,7 @@ def _rank_main(rank, world, cfg):
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dp", type=int, default=4)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--batch", type=int, default=16)
+    add_model_args(ap, layers=4)
     return ap.parse_args(argv)
 
 
@@ -90,8 +86,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     if args.batch % args.dp:
         raise SystemExit(f"--batch {args.batch} must be divisible by --dp {args.dp}")
-    model = dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
-                 batch_size=args.batch, vocab_size=args.vocab, seed=0)
+    model = model_kwargs(args)
     runs = [("dp=1", 1, 0), (f"dp={args.dp} ZeRO-3", args.dp, 3), (f"dp={args.dp} ZeRO-2", args.dp, 2)]
     rows = []
     for label, world, zero in runs:

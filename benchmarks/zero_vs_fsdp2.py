@@ -35,6 +35,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+from benchmarks.memory_model import add_model_args, model_kwargs  # noqa: E402
 from tests.dist.harness import run_ranks  # noqa: E402
 
 KiB = 1024
@@ -108,12 +109,7 @@ def _rank_main(rank, world, cfg):
 
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--vocab", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
+    add_model_args(ap, layers=4, d_model=256, seq=128, batch=8, vocab=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=3)
     return ap.parse_args(argv)
@@ -121,8 +117,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
-    model = dict(n_layer=args.layers, d_model=args.d_model, n_head=args.heads, seq_len=args.seq,
-                 batch_size=args.batch, vocab_size=args.vocab, seed=0)
+    model = model_kwargs(args)
     print("running autopar ZeRO-3 and FSDP2 on 2 gloo processes ...", file=sys.stderr, flush=True)
     res = run_ranks(_rank_main, 2, dict(model=model, rounds=args.rounds, steps=args.steps), deadline_s=900)
     r0 = res[0]

@@ -96,33 +96,35 @@ def build_mesh(pp: int, dp: int, timeout: timedelta, cp: int = 1, ep: int = 1) -
     mesh = Mesh(pp=pp, dp=dp, cp=cp, ep=ep, rank=rank)
     reps = dp * cp
 
-    def make(ranks: list[int], mine: bool):
-        g = comms.new_group(ranks, timeout) if len(ranks) > 1 else None
-        return g if mine else None
+    def group(ranks: list[int]):
+        """Every rank creates every group; a group of one rank is None."""
+        return comms.new_group(ranks, timeout) if len(ranks) > 1 else None
 
     for rep in range(reps):
-        g = make([rep * pp + r for r in range(pp)], rep == mesh.replica)
-        mesh.pp_group = g if rep == mesh.replica else mesh.pp_group
+        g = group([rep * pp + r for r in range(pp)])
+        if rep == mesh.replica:
+            mesh.pp_group = g
     for r in range(pp):
-        g = make([rep * pp + r for rep in range(reps)], r == mesh.pp_rank)
-        mesh.replica_group = g if r == mesh.pp_rank else mesh.replica_group
+        g = group([rep * pp + r for rep in range(reps)])
+        if r == mesh.pp_rank:
+            mesh.replica_group = g
     for r in range(pp):
         for d in range(dp):
-            mine = r == mesh.pp_rank and d == mesh.dp_rank
-            g = make([(d * cp + c) * pp + r for c in range(cp)], mine)
-            mesh.cp_group = g if mine else mesh.cp_group
+            g = group([(d * cp + c) * pp + r for c in range(cp)])
+            if (r, d) == (mesh.pp_rank, mesh.dp_rank):
+                mesh.cp_group = g
     if ep == 1:  # no expert sharding: experts (if any) are replicated like everything else
         mesh.expert_group = mesh.replica_group
         return mesh
     for r in range(pp):
         for block in range(reps // ep):
-            mine = r == mesh.pp_rank and block == mesh.replica // ep
-            g = make([(block * ep + e) * pp + r for e in range(ep)], mine)
-            mesh.ep_group = g if mine else mesh.ep_group
+            g = group([(block * ep + e) * pp + r for e in range(ep)])
+            if (r, block) == (mesh.pp_rank, mesh.replica // ep):
+                mesh.ep_group = g
         for e in range(ep):
-            mine = r == mesh.pp_rank and e == mesh.ep_rank
-            g = make([(block * ep + e) * pp + r for block in range(reps // ep)], mine)
-            mesh.expert_group = g if mine else mesh.expert_group
+            g = group([(block * ep + e) * pp + r for block in range(reps // ep)])
+            if (r, e) == (mesh.pp_rank, mesh.ep_rank):
+                mesh.expert_group = g
     return mesh
 
 

@@ -92,7 +92,7 @@ class ShardedParameters:
             for fqn in names:
                 users.setdefault(fqn, set()).add(s)
         by_name: dict[str, list[str]] = {}
-        for fqn in sorted(users, key=list(params).index):
+        for fqn in [f for f in params if f in users]:  # model order
             p = params[fqn]
             if fqn in tied_groups:
                 name = fqn
@@ -122,6 +122,8 @@ class ShardedParameters:
                 g.master = nn.Parameter(flat[replica * shard: (replica + 1) * shard].to(torch.float32).clone())
             self.groups.append(g)
         self.group_of = {f: g for g in self.groups for f in g.fqns}
+        # flat offset of every parameter in its group (read for every gradient of every W)
+        self.offset_of = {f: o for g in self.groups for f, o in zip(g.fqns, g.offsets)}
         self.by_name = {g.name: g for g in self.groups}
         device = next(iter(params.values())).device if params else torch.device("cpu")
         self.device = device
@@ -235,7 +237,7 @@ class ShardedParameters:
             return False
         if g.grad_full is None:
             g.grad_full = torch.zeros(g.padded, dtype=torch.float32, device=grad.device)
-        o = g.offsets[g.fqns.index(fqn)]
+        o = self.offset_of[fqn]
         g.grad_full[o: o + grad.numel()].view(grad.shape).add_(grad)
         return True
 
