@@ -61,6 +61,12 @@ def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
                          f"# results (runtime keys): {list(p.results)}\n# GFLOP: {p.flops / 1e9:.6f}\n")
                 fh.write(p.code)
             paths.append(path)
+            path = os.path.join(directory, f"stage{s}_{kind}.exec.py")
+            with open(path, "w") as fh:  # the same program as the runtime runs it
+                fh.write(f"# autopar stage {s} {kind} program as executed (passes/exec_code.py: peepholes, "
+                         f"ops bound once to their C++ entry points)\n")
+                fh.write(p.executable().__func__.__autopar_source__)
+            paths.append(path)
     path = os.path.join(directory, "stages.txt")
     with open(path, "w") as fh:
         if plan is not None:

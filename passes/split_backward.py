@@ -81,14 +81,41 @@ class Program:
     results: tuple[str, ...]
     flops: int = 0
 
-    def __call__(self, env: dict, state: dict) -> None:
+    def __call__(self, env: dict, state: dict, accumulators: dict[str, torch.Tensor] | None = None) -> None:
         """Read args from the microbatch env (or the shared state for parameters/buffers), run,
-        and store the results in env under their keys."""
+        and store the results in env under their keys.
+
+        ``accumulators``: result key -> tensor to add that result into, in place (gradient
+        accumulation over microbatches); env then holds the accumulator under the key.
+        """
+        args = [env[k] if k in env else state[k] for k in self.args]
+        if accumulators:
+            keys = tuple(k for k in self.results if k in accumulators)
+            fn = self.executable(keys)
+            args += [accumulators[k] for k in keys]
+        else:
+            fn = self.executable()
         # The programs are already forward+backward: autograd must not record them again (it
         # would cost time and keep I's intermediates alive through the gradients it returns).
         with torch.no_grad():
-            outs = self.gm(*[env[k] if k in env else state[k] for k in self.args])
+            outs = fn(*args)
         env.update(zip(self.results, outs))
+
+    def executable(self, accumulate: tuple[str, ...] = ()):
+        """gm compiled for running (passes/exec_code.py), with the results named in
+        ``accumulate`` added into extra trailing arguments; rebuilt if gm was replaced or
+        recompiled."""
+        gm, code = self.gm, self.gm.code
+        cached = self.__dict__.get("_exec")
+        if cached is None or cached[0] is not gm or cached[1] is not code:
+            cached = self.__dict__["_exec"] = (gm, code, {})
+        fn = cached[2].get(accumulate)
+        if fn is None:
+            from .exec_code import compile_for_execution
+
+            index = {k: i for i, k in enumerate(self.results)}
+            fn = cached[2][accumulate] = compile_for_execution(gm, tuple(index[k] for k in accumulate))
+        return fn
 
     @property
     def code(self) -> str:

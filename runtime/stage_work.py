@@ -62,21 +62,32 @@ class StageWork:
 
     def weight_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.w(env, self.state)
+        prog.w(env, self.state, self._accumulators(prog))
         self._accumulate(prog, env)
         _release(env, frozenset({"__gin__", "__outputs__"}))
 
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.b(env, self.state)
+        prog.b(env, self.state, self._accumulators(prog))
         gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
         self._accumulate(prog, env)
         _release(env, frozenset({"__outputs__"}))
         env["__gin__"] = gin
 
+    def _accumulators(self, prog: StageProgram) -> dict[str, torch.Tensor] | None:
+        """The .grad of every parameter that already has one: the program adds its gradient
+        into it (a linear layer's inside its weight-gradient GEMM, passes/exec_code.py)."""
+        if self.grad_sink is not None:
+            return None
+        params = self.params
+        accs = {f"gparam:{fqn}": params[fqn].grad for fqn in prog.grad_params if params[fqn].grad is not None}
+        return accs or None
+
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
         for fqn in prog.grad_params:
             g = env.pop(f"gparam:{fqn}")
+            if g is self.params[fqn].grad:
+                continue  # the program accumulated into it
             if self.grad_sink is not None and self.grad_sink(fqn, g):
                 continue
             p = self.params[fqn]

@@ -16,13 +16,14 @@ def test_inspect_writes_readable_programs(tmp_path, capsys):
     files = sorted(os.listdir(out))
     for s in range(2):
         for kind in "FIWB":
-            assert f"stage{s}_{kind}.py" in files
+            assert f"stage{s}_{kind}.py" in files and f"stage{s}_{kind}.exec.py" in files
     assert {"rank0_step.py", "rank1_step.py", "stages.txt"} <= set(files)
     for name in files:
         if name.endswith(".py"):
             compile((out / name).read_text(), name, "exec")  # readable, valid Python
     w = (out / "stage1_W.py").read_text()
     assert "aten.mm" in w and "gparam:" in w
+    assert "_op_aten_mm_default(" in (out / "stage1_W.exec.py").read_text()  # ops bound as globals
     step0 = (out / "rank0_step.py").read_text()
     assert "rt.forward(0, 0)" in step0 and "rt.send_f(0, 0)" in step0
     assert "stage rank" in capsys.readouterr().out
