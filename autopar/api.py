@@ -23,7 +23,7 @@ log = logging.getLogger("autopar")
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
                 example_target=None, timeout: float | None = None, generated: bool = True,
-                grad_reduce: str = "bucketed", bucket_mb: float = 25.0) -> "ParallelModel":
+                grad_reduce: str = "bucketed", bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
     """Parallelize ``model`` for training.
 
     ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
@@ -43,6 +43,9 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``grad_reduce``: "bucketed" (dp gradient sums in ``bucket_mb`` MiB fp32 buckets, started as
     soon as a stage's last W ran, overlapping the rest of the step) or "naive" (one blocking
     all-reduce per parameter at the end; the oracle).
+    ``local_transfers`` (local mode): activations and gradients crossing pipeline ranks are
+    copied on the communication stream (runtime/streams.py) and waited for by their consumer,
+    as P2P would move them; on one GPU this exercises the stream/event ordering (same results).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
@@ -55,7 +58,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
             raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
                              f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
     pm = ParallelModel(model, tuple(example_inputs), loss_fn, optimizer, plan, timeout=timeout, generated=generated,
-                       grad_reduce=grad_reduce, bucket_bytes=int(bucket_mb * 2**20))
+                       grad_reduce=grad_reduce, bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers)
     if loss_fn is None or example_target is not None:
         pm._build(tuple(example_inputs), example_target)
     return pm
@@ -79,8 +82,9 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, example_inputs: tuple, loss_fn, optimizer, plan: Plan | None,
                  timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
-                 bucket_bytes: int = 25 * 2**20):
+                 bucket_bytes: int = 25 * 2**20, local_transfers: bool = False):
         self.model = model
+        self.local_transfers = local_transfers
         self.loss_fn = loss_fn
         self.plan = plan
         self.planner_summary: str | None = None  # what the planner chose and predicted (plan=None)
@@ -193,7 +197,12 @@ class ParallelModel:
             log.info("autopar: rank %d is %s, stages %s%s", mesh.rank, mesh.describe(), executor.my_stages,
                      f", ZeRO-{executor.zero}" if executor.zero else "")
         else:
-            executor = LocalPipeline(programs, schedule, state, self._params)
+            transfers = None
+            if self.local_transfers:
+                from autopar.runtime.streams import CommStream
+
+                transfers = CommStream(next(iter(self._params.values())).device)
+            executor = LocalPipeline(programs, schedule, state, self._params, transfers=transfers)
             trained = [p for p in self._params.values() if p.requires_grad]
         if self._optimizer_factory is not None:
             self.optimizer = _make_optimizer(self._optimizer_factory, trained, executor, mesh, self._params)

@@ -23,7 +23,7 @@ a second of each other, so the slow drift of a shared machine cancels in it, whi
 two medians taken over different moments does not (it is printed beside, with the ratio of
 the best-of times).
 
-    python benchmarks/split_backward.py [--layers 4 --d-model 256 --heads 8 --seq 128 --batch 4 --reps 21]
+    python benchmarks/split_backward.py [--layers 4 --d-model 256 --heads 8 --seq 128 --batch 4 --reps 41]
 
 Targets (design.md section 6, last paragraph): ours/eager <= 1.05, ours/torch <= 0.95.
 """
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--reps", type=int, default=21, help="timed rounds (each runs every variant once)")
+    ap.add_argument("--reps", type=int, default=41, help="timed rounds (each runs every variant once)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="intra-op threads (keep 1 on a shared 2-core box)")
     ap.add_argument("--profile", action="store_true", help="also print a torch.profiler op table per variant")
@@ -115,17 +115,17 @@ class Variants:
     # ours ------------------------------------------------------------------------------------
     def ours_fiw(self):
         p, env = self.prog, {f"in:{self.in_name}": self.x_ours}
-        p.f(env, self.state)
+        p.f(env, self.state, keep=p.keys_after("F"))  # as StageWork: a program frees what it read last
         env[f"grad:{self.out_name}"] = self.g
-        p.i(env, self.state)
-        p.w(env, self.state)
+        p.i(env, self.state, keep=p.keys_after("I"))
+        p.w(env, self.state, keep=frozenset())
         return env[f"gin:{self.in_name}"], {f: env[f"gparam:{f}"] for f in p.grad_params}
 
     def ours_fb(self):
         p, env = self.prog, {f"in:{self.in_name}": self.x_ours}
-        p.f(env, self.state)
+        p.f(env, self.state, keep=p.keys_after("F"))
         env[f"grad:{self.out_name}"] = self.g
-        p.b(env, self.state)
+        p.b(env, self.state, keep=frozenset())
         return env[f"gin:{self.in_name}"], {f: env[f"gparam:{f}"] for f in p.grad_params}
 
     # eager -----------------------------------------------------------------------------------
@@ -252,12 +252,12 @@ def phase_times(prog, v: Variants, reps: int) -> dict[str, float]:
     for _ in range(reps):
         env = {f"in:{v.in_name}": v.x_ours}
         c0 = time.thread_time()
-        prog.f(env, v.state)
+        prog.f(env, v.state, keep=prog.keys_after("F"))
         c1 = time.thread_time()
         env[f"grad:{v.out_name}"] = v.g
-        prog.i(env, v.state)
+        prog.i(env, v.state, keep=prog.keys_after("I"))
         c2 = time.thread_time()
-        prog.w(env, v.state)
+        prog.w(env, v.state, keep=frozenset())
         c3 = time.thread_time()
         del env
         out["F"].append(c1 - c0)

@@ -6,6 +6,9 @@ reaches every op as ``torch.ops.aten.mm.default(...)``, four attribute lookups p
 ``OpOverload.__call__`` (about 5 us a call on the CI VM, of which 2.6 us are the lookups).
 This module runs the same graph, value for value, with less of that:
 
+* the boxed calling convention: the function takes its arguments as one list and clears it,
+  so the runtime can hand over the microbatch's saved tensors and each is freed right after
+  its last use inside the program, as autograd frees saved tensors during a backward;
 * peephole on a copy of the graph (the program's own GraphModule, the one ``pm.dump`` prints
   and the analyses read, is left as it is):
   - ``detach(x)`` -> ``x``: the programs run under ``no_grad``, where it only makes an alias;
@@ -38,25 +41,37 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .split_backward import _MASKED_BACKWARD as _MASKED  # op -> index of its output_mask argument
+
 aten = torch.ops.aten
 
-# op -> index of its output_mask argument (same table as split_backward's cut)
-_MASKED = {
-    aten.native_layer_norm_backward.default: 7,
-    aten.native_batch_norm_backward.default: 9,
-    aten.native_group_norm_backward.default: 9,
-    aten.convolution_backward.default: 10,
-}
 _OP_REF = re.compile(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)\b")
 _counter = itertools.count()
 
 
+class _BoxedCodeGen(fx.graph.CodeGen):
+    """``forward(self, args)``: unpacks the list and clears it, so that an argument nobody else
+    holds is freed at its last use inside the program (the ``x = None`` lines FX writes),
+    not when the call returns."""
+
+    def gen_fn_def(self, free_vars, maybe_return_annotation, **kwargs):
+        names = [v.split(":")[0].split("=")[0].strip() for v in free_vars if v != "self"]
+        head = f"def forward(self, args){maybe_return_annotation}:"
+        if not names:
+            return head + "\n    args.clear()"
+        unpack = ", ".join(names) + ("," if len(names) == 1 else "")
+        return f"{head}\n    {unpack} = args\n    args.clear()"
+
+
 def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) -> Callable:
-    """A function with gm's signature computing gm's results (run it under no_grad).
+    """``fn(args: list)`` computing gm's results from gm's arguments (run it under no_grad).
+
+    Boxed: ``fn`` empties ``args`` on entry, so a caller that hands over its only reference to
+    a saved tensor lets the program free it right after its last use.
 
     ``accumulate``: indices of results (weight gradients) that are added into accumulators
     instead of returned fresh. The function then takes one more argument per index, in that
-    order, adds the result into it in place and returns it there. A result that is a matmul
+    order (appended to ``args``), adds the result into it in place and returns it there. A result that is a matmul
     (``mm``, or ``t(mm)``) becomes ``addmm_`` into the accumulator, so the gradient of a
     linear layer is accumulated inside the GEMM (C += A B), with no separate sum over memory.
     """
@@ -67,6 +82,7 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) 
     simplify(graph)
     if accumulate:
         accumulate_into_arguments(graph, accumulate)
+    graph._codegen = _BoxedCodeGen()
     code = graph.python_code(root_module="self")
     glb = dict(code.globals)
     src = _OP_REF.sub(lambda m: _bind(m, glb), code.src)

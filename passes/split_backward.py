@@ -81,14 +81,21 @@ class Program:
     results: tuple[str, ...]
     flops: int = 0
 
-    def __call__(self, env: dict, state: dict, accumulators: dict[str, torch.Tensor] | None = None) -> None:
+    def __call__(self, env: dict, state: dict, accumulators: dict[str, torch.Tensor] | None = None,
+                 keep: frozenset[str] | None = None) -> None:
         """Read args from the microbatch env (or the shared state for parameters/buffers), run,
         and store the results in env under their keys.
 
         ``accumulators``: result key -> tensor to add that result into, in place (gradient
         accumulation over microbatches); env then holds the accumulator under the key.
+        ``keep``: the env keys later programs of this microbatch still read; the others that
+        this program reads are taken out of env, so each is freed inside the program right
+        after its last use (None: env keeps everything).
         """
-        args = [env[k] if k in env else state[k] for k in self.args]
+        if keep is None:
+            args = [env[k] if k in env else state[k] for k in self.args]
+        else:
+            args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in self.args]
         if accumulators:
             keys = tuple(k for k in self.results if k in accumulators)
             fn = self.executable(keys)
@@ -98,13 +105,13 @@ class Program:
         # The programs are already forward+backward: autograd must not record them again (it
         # would cost time and keep I's intermediates alive through the gradients it returns).
         with torch.no_grad():
-            outs = fn(*args)
+            outs = fn(args)
         env.update(zip(self.results, outs))
 
     def executable(self, accumulate: tuple[str, ...] = ()):
-        """gm compiled for running (passes/exec_code.py), with the results named in
-        ``accumulate`` added into extra trailing arguments; rebuilt if gm was replaced or
-        recompiled."""
+        """gm compiled for running (passes/exec_code.py): ``fn(args: list)``, boxed; the results
+        named in ``accumulate`` are added into extra trailing arguments. Rebuilt if gm was
+        replaced or recompiled."""
         gm, code = self.gm, self.gm.code
         cached = self.__dict__.get("_exec")
         if cached is None or cached[0] is not gm or cached[1] is not code:

@@ -7,10 +7,15 @@ lowered schedule's send/recv placement gives per pair of ranks).
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+# NCCL: don't record_stream the tensors of a collective; autopar keeps every tensor a transfer
+# touches referenced until its wait (runtime/streams.py). Read when a process group is made.
+os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 
 _MAX_TENSORS = 256  # tensors crossing one stage boundary (tag space per message)
 

@@ -23,6 +23,7 @@ from . import comms
 from .grad_reduce import BucketedReducer, naive_all_reduce
 from .mesh import Mesh
 from .stage_work import StageWork
+from .streams import CommStream
 
 
 class PeerTimeout(RuntimeError):
@@ -45,6 +46,7 @@ class DistributedPipeline:
         self.mesh = mesh
         self.timeout = timeout
         self.device = device
+        self.comm = CommStream(device)  # CUDA: P2P and bucket reductions on a side stream
         self.owner = schedule.stage_to_rank
         self.my_stages = [s for s in range(schedule.num_stages) if self.owner[s] == mesh.pp_rank]
         self.params = params
@@ -81,7 +83,7 @@ class DistributedPipeline:
                 if names and size > 1:
                     self.reducers.append(BucketedReducer(
                         params, {s: [f for f in programs[s].grad_params if f in names] for s in self.my_stages},
-                        group, bucket_bytes, deferred=set(mesh.tied_groups)))
+                        group, bucket_bytes, deferred=set(mesh.tied_groups), comm=self.comm))
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
@@ -129,14 +131,16 @@ class DistributedPipeline:
         peer = self.mesh.global_rank(self.owner[s - 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
         tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
-        self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
+        with self.comm.launch():
+            self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
 
     def recv_b(self, s: int, k: int) -> None:
         """Post the receive of the gradients of stage s's outputs for microbatch k."""
         peer = self.mesh.global_rank(self.owner[s + 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
         tags = [comms.p2p_tag(s + 1, k, True, i, self._m) for i in range(len(bufs))]
-        self._pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients from {s + 1}I{k}")
+        with self.comm.launch():
+            self._pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients from {s + 1}I{k}")
 
     def wait_f(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_F{k}")
@@ -150,13 +154,15 @@ class DistributedPipeline:
         outs = self.work.take_outputs(s, k)
         names = self.programs[s + 1].stage.inputs
         tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(names))]
-        self._sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(self.owner[s + 1]), tags)
+        with self.comm.launch():
+            self._sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(self.owner[s + 1]), tags)
 
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
         names = self.programs[s - 1].diff_outputs
         tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(names))]
-        self._sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(self.owner[s - 1]), tags)
+        with self.comm.launch():
+            self._sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(self.owner[s - 1]), tags)
 
     def forward(self, s: int, k: int) -> None:
         self.at(f"running {s}F{k}")

@@ -12,6 +12,8 @@ Naive: one blocking all-reduce per parameter at the end of the step (the test or
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import comms
@@ -19,8 +21,9 @@ from . import comms
 
 class BucketedReducer:
     def __init__(self, params: dict[str, torch.nn.Parameter], stage_params: dict[int, list[str]], dp_group,
-                 bucket_bytes: int, deferred: set[str]):
+                 bucket_bytes: int, deferred: set[str], comm=None):
         self.params = params
+        self.comm = comm  # runtime/streams.CommStream: CUDA launches the all-reduce on its side stream
         self.group = dp_group
         self.bucket_bytes = bucket_bytes
         self.deferred = deferred  # reduced in finish(), after the tied-weight sum
@@ -56,7 +59,8 @@ class BucketedReducer:
             return
         grads = [_grad(self.params[f]) for f in self.bucket]
         flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])  # fp32 on the wire
-        work = comms.all_reduce_sum(flat, group=self.group, async_op=True)
+        with self.comm.launch() if self.comm is not None else contextlib.nullcontext():
+            work = comms.all_reduce_sum(flat, group=self.group, async_op=True)
         self.inflight.append((work, flat, self.bucket))
         self.bucket, self.bucket_size = [], 0
 

@@ -21,8 +21,13 @@ class LocalPipeline:
     ``params`` maps canonical FQNs to the Parameters whose ``.grad`` receives the gradients.
     """
 
-    def __init__(self, programs: list[StageProgram], schedule, state: dict, params: dict[str, torch.nn.Parameter]):
+    def __init__(self, programs: list[StageProgram], schedule, state: dict, params: dict[str, torch.nn.Parameter],
+                 transfers=None):
         self.programs = programs
+        # runtime/streams.CommStream or None: values crossing pipeline ranks are copied on its
+        # side stream and waited for by their consumer (a stand-in for P2P on one device)
+        self.transfers = transfers
+        self._in_flight: dict = {}
         self.schedule = schedule
         self.num_stages = len(programs)
         assert schedule.num_stages == self.num_stages, (schedule.num_stages, self.num_stages)
@@ -70,19 +75,32 @@ class LocalPipeline:
     def _run(self, a) -> None:
         work, s, k = self.work, a.stage, a.microbatch
         if a.type == "F":
+            if ("F", s, k) in self._in_flight:
+                work.put_inputs(s, k, self._in_flight.pop(("F", s, k)).wait())
             work.forward(s, k)
             outputs = work.take_outputs(s, k)
             if s + 1 < self.num_stages:
-                work.put_inputs(s + 1, k, outputs)
+                if self._crosses(s, s + 1):
+                    self._in_flight["F", s + 1, k] = self.transfers.copy(outputs)
+                else:
+                    work.put_inputs(s + 1, k, outputs)
         elif a.type in "IB":
+            if ("B", s, k) in self._in_flight:
+                work.put_grads(s, k, self._in_flight.pop(("B", s, k)).wait())
             (work.input_grads if a.type == "I" else work.full_backward)(s, k)
             gin = work.take_input_grads(s, k)
             if s > 0:
-                work.put_grads(s - 1, k, gin)
+                if self._crosses(s, s - 1):
+                    self._in_flight["B", s - 1, k] = self.transfers.copy(gin)
+                else:
+                    work.put_grads(s - 1, k, gin)
         elif a.type == "W":
             work.weight_grads(s, k)
         else:
             raise ValueError(f"autopar: local mode runs compute actions only, got {a}")
+
+    def _crosses(self, s: int, t: int) -> bool:
+        return self.transfers is not None and self.schedule.stage_to_rank[s] != self.schedule.stage_to_rank[t]
 
     def _ready(self, a, done) -> bool:
         s, k = a.stage, a.microbatch

@@ -39,7 +39,7 @@ class StageWork:
 
     def forward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.f(env, self.state)
+        prog.f(env, self.state, keep=prog.keys_after("F"))
         for fqn in prog.stage.buffer_updates:
             with torch.no_grad():
                 self.state[f"buffer:{fqn}"].copy_(env.pop(f"update:{fqn}"))
@@ -55,20 +55,20 @@ class StageWork:
 
     def input_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.i(env, self.state)
+        prog.i(env, self.state, keep=prog.keys_after("I"))
         gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
         _release(env, prog.keys_after("I") | {"__outputs__"})
         env["__gin__"] = gin
 
     def weight_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.w(env, self.state, self._accumulators(prog))
+        prog.w(env, self.state, self._accumulators(prog), keep=_NOTHING)
         self._accumulate(prog, env)
         _release(env, frozenset({"__gin__", "__outputs__"}))
 
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.b(env, self.state, self._accumulators(prog))
+        prog.b(env, self.state, self._accumulators(prog), keep=_NOTHING)
         gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
         self._accumulate(prog, env)
         _release(env, frozenset({"__outputs__"}))
@@ -126,6 +126,9 @@ class StageWork:
             term = self.losses[k] * self._loss_scale
             total = term if total is None else total + term
         return total.detach()
+
+
+_NOTHING = frozenset()  # after W or B, no program of the microbatch reads its env
 
 
 def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:

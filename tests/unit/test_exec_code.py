@@ -29,9 +29,9 @@ def _recorded_programs(case, monkeypatch):
     seen = {}
     original = Program.__call__
 
-    def recording(self, env, state, accumulators=None):
+    def recording(self, env, state, accumulators=None, keep=None):
         seen.setdefault(id(self), (self, [env[k] if k in env else state[k] for k in self.args]))
-        return original(self, env, state, accumulators)
+        return original(self, env, state, accumulators, keep)
 
     monkeypatch.setattr(Program, "__call__", recording)
     pm.step(case.inputs, case.target)
@@ -66,7 +66,7 @@ def test_compiled_programs_match_graph_modules_bitwise(make, monkeypatch):
         kinds.add(type(prog.gm).__name__.rsplit("_", 1)[1])
         with torch.no_grad():
             ref = list(_flat(prog.gm(*args)))
-            got = list(_flat(compile_for_execution(prog.gm)(*args)))
+            got = list(_flat(compile_for_execution(prog.gm)(list(args))))
         assert len(ref) == len(got)
         for r, g in zip(ref, got):
             if r is None:
@@ -121,7 +121,7 @@ def test_results_never_become_arguments():
     assert res[2].target is aten.mm.default  # an intermediate may be returned directly
     xs, av, bv = torch.randn(3, 3), torch.randn(3, 4), torch.randn(4, 2)
     fn = compile_for_execution(gm)
-    got = fn(xs, av, bv)
+    got = fn([xs, av, bv])
     assert got[0] is not xs and got[1] is not xs
     assert torch.equal(got[2], av @ bv) and torch.equal(got[1], xs)
     assert "_op_aten_mm_default(" in fn.__func__.__autopar_source__
@@ -160,7 +160,7 @@ def test_accumulating_programs_add_into_the_given_tensors(make, monkeypatch):
             gen = torch.Generator().manual_seed(0)
             before = [torch.randn(fresh[prog.results.index(k)].shape, generator=gen) for k in keys]
             accs = [b.clone() for b in before]
-            got = fn(*args, *accs)
+            got = fn([*args, *accs])
         for k, acc, b in zip(keys, accs, before):
             i = prog.results.index(k)
             assert got[i] is acc, k
@@ -186,11 +186,11 @@ def test_step_accumulates_in_place_over_microbatches(monkeypatch):
     created = {}
     original = Program.__call__
 
-    def watching(self, env, state, accumulators=None):
+    def watching(self, env, state, accumulators=None, keep=None):
         for k, t in (accumulators or {}).items():
             created.setdefault(k, t)
             assert created[k] is t, f"{k}: the accumulator was replaced"
-        return original(self, env, state, accumulators)
+        return original(self, env, state, accumulators, keep)
 
     monkeypatch.setattr(Program, "__call__", watching)
     loss = pm.step(case.inputs, case.target)
@@ -199,3 +199,32 @@ def test_step_accumulates_in_place_over_microbatches(monkeypatch):
     for name, p in case.model.named_parameters():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[name].grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def _alive_probe(probe):
+    def check(t):
+        probe["alive"] = probe["ref"]() is not None
+        return t
+    return check
+
+
+def test_an_argument_handed_over_is_freed_at_its_last_use():
+    """Boxed convention: with keep=frozenset() the program holds the env's only reference to
+    a saved value, and frees it right after its last use, before the program ends."""
+    probe = {}
+    g = fx.Graph()
+    x, w = g.placeholder("saved_x"), g.placeholder("param_w")
+    y = g.call_function(aten.mul.Tensor, (x, w))       # last use of saved_x
+    z = g.call_function(_alive_probe(probe), (y,))     # runs after it
+    g.output((g.call_function(aten.add.Tensor, (z, 1)),))
+    prog = Program(gm=fx.GraphModule(torch.nn.Module(), g), args=("saved:x", "param:w"), results=("r",))
+    env = {"saved:x": torch.ones(4)}
+    probe["ref"] = __import__("weakref").ref(env["saved:x"])
+    state = {"param:w": torch.full((4,), 3.0)}
+    prog(env, state, keep=frozenset())
+    assert probe["alive"] is False and "saved:x" not in env
+    assert torch.equal(env["r"], torch.full((4,), 4.0))
+    env = {"saved:x": torch.ones(4)}
+    probe["ref"] = __import__("weakref").ref(env["saved:x"])
+    prog(env, state, keep=frozenset({"saved:x"}))  # a later program still reads it: kept
+    assert probe["alive"] is True and "saved:x" in env

@@ -1,0 +1,146 @@
+"""R7: what one GPU can show about the runtime (run it where CUDA is present).
+
+    python benchmarks/gpu_check.py [--trace gpu_trace.json] [--layers 8 --d-model 512 --seq 256 --batch 16]
+
+1. Numerics: examples/gpt in local mode on CUDA (pp=2, zb-h1, 4 microbatches, SGD lr 0.1, TF32
+   off), with and without ``local_transfers``, against eager on the same GPU (the same 4
+   microbatches accumulated in order, design.md section 5): loss and every parameter after 2
+   steps, as max |difference| / max |reference| per tensor.
+2. Streams: one local-mode step with ``local_transfers=True`` under torch.profiler. Values
+   crossing pipeline ranks are copied on the communication stream (runtime/streams.py, the
+   stand-in for P2P on one device). From the trace: the streams the copies ran on, the stream
+   the compute kernels ran on, and how many copies overlapped a compute kernel in time.
+
+Prints one line per check and exits 0 when the numbers match and the copies ran on a stream
+other than compute, overlapping it.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+LR = 0.1  # SGD: Adam would divide the fp32 noise of exactly-zero gradients (attention's key
+#            bias) by itself and compare summation orders rather than the runtime
+ATOL = 1e-6  # with rtol: tests/reference.assert_close_state's contract (design.md section 5)
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d-model", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--trace", default="gpu_trace.json", help="Chrome trace of the profiled step")
+    ap.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance against eager (design.md: 1e-5)")
+    return ap.parse_args(argv)
+
+
+def check_numerics(args) -> bool:
+    import torch
+
+    import autopar
+    from autopar.demo import _eager_losses
+    from autopar.examples.gpt import make_gpt
+
+    model, inputs, target, loss_fn = make_gpt(n_layer=4, d_model=128, n_head=4, seq_len=64, batch_size=8, seed=0)
+    model, inputs, target = model.cuda(), tuple(x.cuda() for x in inputs), target.cuda()
+    ref_model = copy.deepcopy(model)
+    # design.md section 5: the same 4 microbatches in order, loss / 4 accumulated, one step
+    ref_losses = _eager_losses(ref_model, inputs, target, loss_fn, functools.partial(torch.optim.SGD, lr=LR), 4, 2)
+    ref = dict(ref_model.named_parameters())
+    ok = True
+    for transfers in (False, True):
+        m = copy.deepcopy(model)
+        pm = autopar.parallelize(m, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                                 plan=autopar.Plan(pp=2, schedule="zb-h1", num_microbatches=4), example_target=target,
+                                 local_transfers=transfers)
+        losses = [pm.step(inputs, target).item() for _ in range(2)]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses))
+        worst, worst_name = 0.0, ""
+        for name, p in m.named_parameters():
+            e = ref[name]
+            # the tests' contract (tests/reference.assert_close_state): |a - e| <= atol + rtol |e|,
+            # atol = max(ATOL, rtol max|e|); err is the worst |a - e| / that bound (<= 1 passes)
+            bound = max(ATOL, args.rtol * e.abs().max().item()) + args.rtol * e.abs()
+            err = ((p - e).abs() / bound).max().item()
+            if err > worst:
+                worst, worst_name = err, name
+        good = loss_err <= args.rtol and worst <= 1.0
+        ok &= good
+        print(f"numerics local_transfers={transfers}: losses {losses} vs eager {ref_losses}; max rel err loss "
+              f"{loss_err:.1e}; parameters: worst |diff| / (atol + rtol |ref|) = {worst:.2f} ({worst_name}, <= 1 passes); "
+              f"{'OK' if good else 'MISMATCH'} (rtol {args.rtol:g})")
+    return ok
+
+
+def check_streams(args) -> bool:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import autopar
+    from autopar.examples.gpt import make_gpt
+
+    model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                              seq_len=args.seq, batch_size=args.batch, seed=0)
+    model, inputs, target = model.cuda(), tuple(x.cuda() for x in inputs), target.cuda()
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
+                             plan=autopar.Plan(pp=2, schedule="zb-h1", num_microbatches=8), example_target=target,
+                             local_transfers=True)
+    for _ in range(2):
+        pm.step(inputs, target)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pm.step(inputs, target)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(args.trace)
+    with open(args.trace) as fh:
+        events = json.load(fh)["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and "stream" in e.get("args", {})]
+    kernel_time: dict[int, float] = {}
+    for e in gpu:
+        if e["cat"] == "kernel":
+            kernel_time[e["args"]["stream"]] = kernel_time.get(e["args"]["stream"], 0.0) + e["dur"]
+    compute = max(kernel_time, key=kernel_time.get, default=None)  # where the F/I/W programs' kernels go
+
+    def is_copy(e) -> bool:  # a transfer: a memcpy, or a strided copy kernel, off the compute stream
+        return e["args"]["stream"] != compute and (e["cat"] == "gpu_memcpy" or
+                                                   (e["cat"] == "kernel" and "copy" in e["name"].lower()))
+
+    copies = [e for e in gpu if is_copy(e)]
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if e["args"]["stream"] == compute and e["cat"] == "kernel")
+    overlapping = sum(1 for c in copies if any(a < c["ts"] + c["dur"] and c["ts"] < b for a, b in kernels))
+    streams = sorted({c["args"]["stream"] for c in copies})
+    print(f"streams: kernel time per stream (us) {dict(sorted(kernel_time.items()))}")
+    print(f"streams: {len(copies)} transfer copies on stream(s) {streams}, compute kernels ({len(kernels)}) on stream "
+          f"{compute}; {overlapping} of the copies overlap a compute kernel; trace in {args.trace}")
+    return bool(copies) and compute not in streams and overlapping > 0
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a GPU machine", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    ok_num = check_numerics(args)
+    ok_streams = check_streams(args)
+    print(f"RESULT numerics {'OK' if ok_num else 'FAIL'}, streams {'OK' if ok_streams else 'FAIL'}")
+    return 0 if ok_num and ok_streams else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
