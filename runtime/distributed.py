@@ -87,6 +87,25 @@ class DistributedPipeline:
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
+        # gloo (CPU): receives from each peer, in the order the lowered program posts them. A
+        # receive is posted at its place in the program or, earlier, as soon as the previous
+        # receive from the same peer was consumed (the first at the start of the step): gloo's
+        # receive is cheap while its message is still on the way, and costs 1-2 ms of
+        # contention with gloo's I/O thread once the message sits in the socket. Gloo matches
+        # by tag and its receives never block the sender. Not on NCCL: a receive kernel posted
+        # early blocks its stream, and the send queued behind it could deadlock the pair; there
+        # the lowered placement (a receive only after its send was issued) is kept as is.
+        self._prefetch = device.type == "cpu"
+        self._recv_order: dict[int, list[tuple[str, int, int]]] = {}
+        self._recv_next: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+        for a in lowered.actions[mesh.pp_rank]:
+            if a.type in ("RECV_F", "RECV_B"):
+                key = ("F" if a.type == "RECV_F" else "B", a.stage, a.microbatch)
+                peer = self.owner[a.stage - 1] if key[0] == "F" else self.owner[a.stage + 1]
+                queue = self._recv_order.setdefault(peer, [])
+                if queue:
+                    self._recv_next[queue[-1]] = key
+                queue.append(key)
 
     # -- one step ----------------------------------------------------------------------------
     # The step is a sequence of calls to the primitives below, one (or two: a wait, then the
@@ -101,9 +120,13 @@ class DistributedPipeline:
         if self.sharded is not None:
             self.sharded.begin_step()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
+        self._posted: set[tuple[str, int, int]] = set()  # this step's receives, consumed or not
         self._sends: list = []
         self.executed = []
         try:
+            if self._prefetch:
+                for queue in self._recv_order.values():
+                    self._post(queue[0])
             if self.program is not None:
                 self.program(self)
             else:
@@ -127,15 +150,27 @@ class DistributedPipeline:
         self.position = f"step {self.step_index}, {what}"
 
     def recv_f(self, s: int, k: int) -> None:
-        """Post the receive of stage s's input activations for microbatch k."""
+        """Post the receive of stage s's input activations for microbatch k (if not yet posted)."""
+        if ("F", s, k) not in self._posted:
+            self._post(("F", s, k))
+
+    def recv_b(self, s: int, k: int) -> None:
+        """Post the receive of the gradients of stage s's outputs for microbatch k (if not yet posted)."""
+        if ("B", s, k) not in self._posted:
+            self._post(("B", s, k))
+
+    def _post(self, key: tuple[str, int, int]) -> None:
+        self._posted.add(key)
+        (self._post_f if key[0] == "F" else self._post_b)(key[1], key[2])
+
+    def _post_f(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s - 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
         tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
         with self.comm.launch():
             self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
 
-    def recv_b(self, s: int, k: int) -> None:
-        """Post the receive of the gradients of stage s's outputs for microbatch k."""
+    def _post_b(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s + 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
         tags = [comms.p2p_tag(s + 1, k, True, i, self._m) for i in range(len(bufs))]
@@ -144,11 +179,18 @@ class DistributedPipeline:
 
     def wait_f(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_F{k}")
-        self.work.put_inputs(s, k, self._wait(self._pending.pop(("F", s, k))))
+        self.work.put_inputs(s, k, self._wait(self._consume(("F", s, k))))
 
     def wait_b(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_B{k}")
-        self.work.put_grads(s, k, self._wait(self._pending.pop(("B", s, k))))
+        self.work.put_grads(s, k, self._wait(self._consume(("B", s, k))))
+
+    def _consume(self, key: tuple[str, int, int]) -> comms.PendingRecv:
+        """The posted receive `key`, after posting the next receive from the same peer."""
+        nxt = self._recv_next.get(key) if self._prefetch else None
+        if nxt is not None and nxt not in self._posted:  # (receives may be consumed out of order)
+            self._post(nxt)
+        return self._pending.pop(key)
 
     def send_f(self, s: int, k: int) -> None:
         outs = self.work.take_outputs(s, k)
