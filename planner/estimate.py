@@ -414,14 +414,21 @@ class Evaluator:
         return sum(self.unit_params(k, lay) for s in stages for k in kinds[s]) - self.shared_duplicates(part, stages)
 
     def grad_output_bytes(self, lay: Layout, part: Partition, s2r, rank: int) -> float:
-        """The largest set of parameter gradients one W/B program of this rank returns at once
-        (one stage's, in the parameters' dtype), live beside ``.grad`` until accumulated."""
+        """Fresh parameter gradients one W/B program of this rank holds beyond what it frees:
+        ZeRO-2/3 only (otherwise the programs accumulate into ``.grad`` in place and return no
+        fresh gradients; runtime/stage_work.py, passes/exec_code.py). The program frees the
+        microbatch's saved values as it consumes them (boxed calling convention) while the
+        gradients appear, so a stage counts max(0, its gradients - what its W reads)."""
+        if lay.zero < 2 or lay.dp * lay.cp == 1:
+            return 0.0
         kinds = self.stage_kinds(part)
+        sc = self.scale(lay)
         best = 0.0
         for s in range(len(s2r)):
             if s2r[s] == rank:
                 n = sum(self.unit_params(k, lay) for k in kinds[s]) - self.shared_duplicates(part, [s])
-                best = max(best, n * self.precision.weight)
+                freed = kinds[s][0].in_bytes * sc if part.recompute[s] else sum(k.saved_after_i for k in kinds[s]) * sc
+                best = max(best, n * self.precision.weight - freed)
         return best
 
     def p2p_bytes(self, lay: Layout, part: Partition, s2r, rank: int) -> float:

@@ -75,12 +75,18 @@ class StageWork:
         env["__gin__"] = gin
 
     def _accumulators(self, prog: StageProgram) -> dict[str, torch.Tensor] | None:
-        """The .grad of every parameter that already has one: the program adds its gradient
-        into it (a linear layer's inside its weight-gradient GEMM, passes/exec_code.py)."""
+        """The .grad of every parameter the program computes a gradient for (zeros at the first
+        microbatch): the program adds its gradient into it, a linear layer's inside its
+        weight-gradient GEMM (passes/exec_code.py), so no fresh gradient tensor lives beside
+        .grad. None with a grad_sink (ZeRO-2/3 flat buffers take the fresh gradients)."""
         if self.grad_sink is not None:
             return None
-        params = self.params
-        accs = {f"gparam:{fqn}": params[fqn].grad for fqn in prog.grad_params if params[fqn].grad is not None}
+        params, accs = self.params, {}
+        for fqn in prog.grad_params:
+            p = params[fqn]
+            if p.grad is None:
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+            accs[f"gparam:{fqn}"] = p.grad
         return accs or None
 
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
