@@ -23,8 +23,8 @@ This module runs the same graph, value for value, with less of that:
   the overload's C++ entry point (what ``OpOverload.__call__`` calls);
 * optionally (``accumulate``), weight gradients are added into given tensors in place, a
   matmul's inside the GEMM (``addmm_``): gradient accumulation over microbatches without a
-  separate pass over the gradient's memory (runtime/stage_work.py passes each ``.grad`` that
-  already exists).
+  separate pass over the gradient's memory (runtime/stage_work.py passes every ``.grad``,
+  zeroed at the first microbatch of a step).
 
 On examples/gpt at the pipeline benchmarks' microbatch (128 tokens, d_model 128) this takes
 0.6-1.1 ms (7-11%) off each F and B call, and the fused accumulation another 3-7% off B;
@@ -71,9 +71,10 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) 
 
     ``accumulate``: indices of results (weight gradients) that are added into accumulators
     instead of returned fresh. The function then takes one more argument per index, in that
-    order (appended to ``args``), adds the result into it in place and returns it there. A result that is a matmul
-    (``mm``, or ``t(mm)``) becomes ``addmm_`` into the accumulator, so the gradient of a
-    linear layer is accumulated inside the GEMM (C += A B), with no separate sum over memory.
+    order (appended to ``args``), adds the result into it in place and returns it there. A
+    result that is a matmul (``mm``, or ``t(mm)``) becomes ``addmm_`` into the accumulator, so
+    the gradient of a linear layer is accumulated inside the GEMM (C += A B), with no separate
+    sum over memory.
     """
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
