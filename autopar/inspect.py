@@ -65,7 +65,7 @@ def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
             with open(path, "w") as fh:  # the same program as the runtime runs it
                 fh.write(f"# autopar stage {s} {kind} program as executed (passes/exec_code.py: peepholes, "
                          f"ops bound once to their C++ entry points)\n")
-                fh.write(p.executable().__func__.__autopar_source__)
+                fh.write(p.executed_code)
             paths.append(path)
     path = os.path.join(directory, "stages.txt")
     with open(path, "w") as fh:

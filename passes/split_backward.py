@@ -81,13 +81,14 @@ class Program:
     results: tuple[str, ...]
     flops: int = 0
 
-    def __call__(self, env: dict, state: dict, accumulators: dict[str, torch.Tensor] | None = None,
+    def __call__(self, env: dict, state: dict, accumulate: tuple[str, ...] = (), into: list | None = None,
                  keep: frozenset[str] | None = None) -> None:
         """Read args from the microbatch env (or the shared state for parameters/buffers), run,
         and store the results in env under their keys.
 
-        ``accumulators``: result key -> tensor to add that result into, in place (gradient
-        accumulation over microbatches); env then holds the accumulator under the key.
+        ``accumulate``/``into``: result keys and, in the same order, tensors to add those
+        results into in place (gradient accumulation over microbatches); env then holds each
+        accumulator under its key.
         ``keep``: the env keys later programs of this microbatch still read; the others that
         this program reads are taken out of env, so each is freed inside the program right
         after its last use (None: env keeps everything).
@@ -96,12 +97,9 @@ class Program:
             args = [env[k] if k in env else state[k] for k in self.args]
         else:
             args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in self.args]
-        if accumulators:
-            keys = tuple(k for k in self.results if k in accumulators)
-            fn = self.executable(keys)
-            args += [accumulators[k] for k in keys]
-        else:
-            fn = self.executable()
+        if accumulate:
+            args += into
+        fn = self.executable(accumulate)
         # The programs are already forward+backward: autograd must not record them again (it
         # would cost time and keep I's intermediates alive through the gradients it returns).
         with torch.no_grad():
@@ -127,6 +125,11 @@ class Program:
     @property
     def code(self) -> str:
         return self.gm.code
+
+    @property
+    def executed_code(self) -> str:
+        """The source of what ``__call__`` runs (passes/exec_code.py), without accumulation."""
+        return self.executable().__func__.__autopar_source__
 
 
 @dataclass

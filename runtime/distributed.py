@@ -96,16 +96,18 @@ class DistributedPipeline:
         # early blocks its stream, and the send queued behind it could deadlock the pair; there
         # the lowered placement (a receive only after its send was issued) is kept as is.
         self._prefetch = device.type == "cpu"
-        self._recv_order: dict[int, list[tuple[str, int, int]]] = {}
-        self._recv_next: dict[tuple[str, int, int], tuple[str, int, int]] = {}
+        last: dict[int, tuple[str, int, int]] = {}  # peer -> its latest receive so far
+        self._recv_first: list[tuple[str, int, int]] = []  # each peer's first receive of a step
+        self._recv_next: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # -> same peer's next
         for a in lowered.actions[mesh.pp_rank]:
             if a.type in ("RECV_F", "RECV_B"):
                 key = ("F" if a.type == "RECV_F" else "B", a.stage, a.microbatch)
                 peer = self.owner[a.stage - 1] if key[0] == "F" else self.owner[a.stage + 1]
-                queue = self._recv_order.setdefault(peer, [])
-                if queue:
-                    self._recv_next[queue[-1]] = key
-                queue.append(key)
+                if peer in last:
+                    self._recv_next[last[peer]] = key
+                else:
+                    self._recv_first.append(key)
+                last[peer] = key
 
     # -- one step ----------------------------------------------------------------------------
     # The step is a sequence of calls to the primitives below, one (or two: a wait, then the
@@ -125,8 +127,8 @@ class DistributedPipeline:
         self.executed = []
         try:
             if self._prefetch:
-                for queue in self._recv_order.values():
-                    self._post(queue[0])
+                for key in self._recv_first:
+                    self._post(key)
             if self.program is not None:
                 self.program(self)
             else:

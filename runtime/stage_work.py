@@ -24,6 +24,7 @@ class StageWork:
         self._scale = None
         # grad_sink(fqn, grad) -> True when it took the gradient (ZeRO-2/3 flat buffers)
         self.grad_sink = grad_sink
+        self._grad_keys = {s: tuple(f"gparam:{fqn}" for fqn in prog.grad_params) for s, prog in programs.items()}
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> None:
         """Start a step: data keys for every held stage and microbatch, the loss tangent."""
@@ -62,39 +63,39 @@ class StageWork:
 
     def weight_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.w(env, self.state, self._accumulators(prog), keep=_NOTHING)
-        self._accumulate(prog, env)
+        self._gradients(s, prog.w, env)
         _release(env, frozenset({"__gin__", "__outputs__"}))
 
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.b(env, self.state, self._accumulators(prog), keep=_NOTHING)
+        self._gradients(s, prog.b, env)
         gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
-        self._accumulate(prog, env)
         _release(env, frozenset({"__outputs__"}))
         env["__gin__"] = gin
 
-    def _accumulators(self, prog: StageProgram) -> dict[str, torch.Tensor] | None:
-        """The .grad of every parameter the program computes a gradient for (zeros at the first
-        microbatch): the program adds its gradient into it, a linear layer's inside its
-        weight-gradient GEMM (passes/exec_code.py), so no fresh gradient tensor lives beside
-        .grad. None with a grad_sink (ZeRO-2/3 flat buffers take the fresh gradients)."""
+    def _gradients(self, s: int, program, env: dict) -> None:
+        """Run stage s's W or B. Without a grad_sink it adds every parameter gradient into its
+        .grad (zeroed at the first microbatch), a linear layer's inside its weight-gradient
+        GEMM (passes/exec_code.py), so no fresh gradient lives beside .grad. With one (ZeRO-2/3
+        flat buffers), the fresh gradients go to the sink."""
+        prog = self.programs[s]
         if self.grad_sink is not None:
-            return None
-        params, accs = self.params, {}
+            program(env, self.state, keep=_NOTHING)
+            self._accumulate(prog, env)
+            return
+        into = []
         for fqn in prog.grad_params:
-            p = params[fqn]
+            p = self.params[fqn]
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            accs[f"gparam:{fqn}"] = p.grad
-        return accs or None
+            into.append(p.grad)
+        program(env, self.state, self._grad_keys[s], into, keep=_NOTHING)
 
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
+        """Fresh gradients into the grad_sink, or (parameters it does not take) into .grad."""
         for fqn in prog.grad_params:
             g = env.pop(f"gparam:{fqn}")
-            if g is self.params[fqn].grad:
-                continue  # the program accumulated into it
-            if self.grad_sink is not None and self.grad_sink(fqn, g):
+            if self.grad_sink(fqn, g):
                 continue
             p = self.params[fqn]
             if p.grad is None:

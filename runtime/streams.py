@@ -3,9 +3,9 @@
 On CUDA the runtime launches every P2P transfer and every bucketed gradient reduction inside
 ``CommStream.launch()``: the side stream first waits on an event recorded on the compute
 stream (so the transfer reads finished values), then the collective is issued from it, and
-the compute stream goes on queueing kernels. A consumer orders itself after the transfer in
-``wait``: the c10d work's ``wait()`` (NCCL: the current stream waits for NCCL's own stream,
-an event), then the side stream's completion event. No ``record_stream``: every tensor a
+the compute stream goes on queueing kernels. A consumer orders itself after a collective
+with the c10d work's ``wait()`` (NCCL: the current stream waits on NCCL's completion event),
+after a stand-in copy with ``wait`` on the side stream's event. No ``record_stream``: every tensor a
 transfer reads or writes stays referenced by its handle until ``wait`` ran (sends: until the
 end of the step), so the caching allocator cannot hand its memory to another kernel while
 the transfer may still touch it (NCCL is told the same with
@@ -13,7 +13,7 @@ the transfer may still touch it (NCCL is told the same with
 exists).
 
 On CPU (gloo) there is no stream: ``launch`` is a no-op and gloo's asynchronous work handles
-are the concurrency; ``wait`` is the work's ``wait()``.
+are the concurrency, and a stand-in copy is done when ``copy`` returns.
 
 ``copy`` is the stand-in transfer for one device: the values are copied on the side stream
 (what a P2P receive does to a fresh buffer); local mode uses it for activations and
@@ -23,8 +23,6 @@ which is how stream/event ordering is exercised, and checked against eager, on o
 from __future__ import annotations
 
 import contextlib
-from datetime import timedelta
-
 import torch
 
 
@@ -36,7 +34,7 @@ class Transfer:
         self.values, self.done, self._sources, self._stream = values, done, sources, stream
 
     def wait(self) -> dict[str, torch.Tensor]:
-        self._stream.wait(event=self.done)
+        self._stream.wait(self.done)
         self._sources = None
         return self.values
 
@@ -62,13 +60,9 @@ class CommStream:
         """An event on the side stream after what was launched on it so far (None on CPU)."""
         return self.stream.record_event() if self.cuda else None
 
-    def wait(self, work=None, timeout: timedelta | None = None, event=None) -> None:
-        """Order the current stream (CPU: this thread) after a launched transfer."""
-        if work is not None:
-            if timeout is None:
-                work.wait()
-            else:
-                work.wait(timeout)
+    def wait(self, event) -> None:
+        """Order the current stream after ``event`` (from ``done_event``; None on CPU: nothing
+        to wait for, the copy already ran)."""
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 

@@ -29,9 +29,9 @@ def _recorded_programs(case, monkeypatch):
     seen = {}
     original = Program.__call__
 
-    def recording(self, env, state, accumulators=None, keep=None):
+    def recording(self, env, state, accumulate=(), into=None, keep=None):
         seen.setdefault(id(self), (self, [env[k] if k in env else state[k] for k in self.args]))
-        return original(self, env, state, accumulators, keep)
+        return original(self, env, state, accumulate, into, keep)
 
     monkeypatch.setattr(Program, "__call__", recording)
     pm.step(case.inputs, case.target)
@@ -186,11 +186,11 @@ def test_step_accumulates_in_place_over_microbatches(monkeypatch):
     created = {}
     original = Program.__call__
 
-    def watching(self, env, state, accumulators=None, keep=None):
-        for k, t in (accumulators or {}).items():
+    def watching(self, env, state, accumulate=(), into=None, keep=None):
+        for k, t in zip(accumulate, into or ()):
             created.setdefault(k, t)
             assert created[k] is t, f"{k}: the accumulator was replaced"
-        return original(self, env, state, accumulators, keep)
+        return original(self, env, state, accumulate, into, keep)
 
     monkeypatch.setattr(Program, "__call__", watching)
     loss = pm.step(case.inputs, case.target)
