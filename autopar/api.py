@@ -467,7 +467,7 @@ def _make_optimizer(factory, trained: list, executor, mesh, params: dict):
 
 
 def _is_autopar_moe(module: nn.Module) -> bool:
-    from autopar.examples.moe import MoE
+    from autopar.nn import MoE
 
     return isinstance(module, MoE)
 

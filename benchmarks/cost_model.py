@@ -53,7 +53,7 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from benchmarks.memory_model import add_model_args, model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
-from tests.dist.harness import run_ranks  # noqa: E402
+from autopar.runtime.spawn import run_ranks  # noqa: E402
 
 MIN_SPEARMAN = 0.8
 MAX_MEDIAN_ERROR = 0.25

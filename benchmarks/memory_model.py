@@ -46,7 +46,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.dist.harness import run_ranks  # noqa: E402
+from autopar.runtime.spawn import run_ranks  # noqa: E402
 
 MAX_ERROR = 0.15
 MAX_UNDER = 0.05

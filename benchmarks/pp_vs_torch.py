@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from tests.dist.harness import run_ranks
+    from autopar.runtime.spawn import run_ranks
 
     pairs = [p.strip() for p in args.pairs.split(",") if p.strip()]
     bad = [p for p in pairs if p not in TARGETS]

@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from tests.dist.harness import run_ranks
+    from autopar.runtime.spawn import run_ranks
 
     mk = _model_kwargs(args)
     print(f"schedule_speedup: gpt {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "

@@ -18,7 +18,7 @@ captures as one static graph (static shapes, no data-dependent Python control fl
   ``wkv_b``) plus one shared decoupled RoPE key; per head ``qk_nope_head_dim +
   qk_rope_head_dim`` for q/k and ``v_head_dim`` for v (padded to the q/k width for SDPA so it runs as a flash kernel);
 * feed-forward: SwiGLU of width ``ffn_hidden``, or, when ``n_experts > 0`` (from layer
-  ``n_dense_layers`` on), the capacity-based MoE of ``examples/moe.py``.
+  ``n_dense_layers`` on), the capacity-based MoE of ``autopar.nn``.
 
 ``Llama.forward(tokens[B, T] int64)`` returns the logits ``[B, T, vocab]`` for a dense model and
 ``(logits, aux)`` for an MoE model, ``aux`` being the sum of the layers' (already weighted)
@@ -37,7 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 try:
-    from .moe import MoE, SwiGLU
+    from autopar.nn import MoE, SwiGLU
 except ImportError:  # run as a loose script next to moe.py
     from moe import MoE, SwiGLU  # type: ignore[no-redef]
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from autopar.examples.moe import GroupedExperts, MoE
+from autopar.nn import GroupedExperts, MoE
 
 log = logging.getLogger("autopar")
 

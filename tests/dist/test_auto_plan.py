@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tests.dist.harness import run_ranks
+from autopar.runtime.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ One process group per world size runs every sub-case of that size:
 """
 import pytest
 
-from tests.dist.harness import run_ranks
+from autopar.runtime.spawn import run_ranks
 from tests.dist.test_pipeline_gloo import _reference, check_against_eager
 
 pytestmark = pytest.mark.slow

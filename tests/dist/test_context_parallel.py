@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.dist.harness import run_ranks
+from autopar.runtime.spawn import run_ranks
 
 CP = 2
 MB = 2  # microbatch

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tests.dist.harness import run_ranks
+from autopar.runtime.spawn import run_ranks
 
 D_IN, D, H, E, K, TOKENS = 6, 16, 24, 4, 2, 24  # tokens per rank: 4 x 6
 RTOL, ATOL = 1e-5, 1e-6

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from tests.dist.harness import run_ranks
+from autopar.runtime.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 

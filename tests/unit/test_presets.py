@@ -1,4 +1,4 @@
-"""planner/presets (published model configs on meta) and the capacity-based MoE of examples/moe.py."""
+"""planner/presets (published model configs on meta) and the capacity-based MoE of autopar.nn."""
 from __future__ import annotations
 
 import math
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.examples.llama import Llama, LlamaConfig, MLAttention, apply_rope, llama_loss, make_llama, rope_tables
-from autopar.examples.moe import MoE, expert_capacity
+from autopar.nn import MoE, expert_capacity
 from autopar.passes import capture
 from autopar.planner import presets
 
