@@ -147,24 +147,6 @@ def balanced_partition(times: list[float], S: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 # search
 
-_BUBBLE = {  # closed-form bubble per rank, in units of (F+I+W) per microbatch, times (p-1): screen only
-    "gpipe": 1.0, "1f1b": 1.0, "v-half": 0.5, "v-min": 0.67, "dualpipev": 0.4,
-}
-
-
-def _screen_bubble(name: str, p: int, v: int, f: float, i: float, w: float) -> float:
-    tot = f + i + w
-    if name == "interleaved-1f1b":
-        return (p - 1) * tot / v
-    if name == "zb-h1":
-        return (p - 1) * max(0.0, f + i - w)
-    if name in ("zb-h2", "zb-auto"):
-        return (p - 1) * 0.1 * tot
-    if name == "zbv":
-        return (p - 1) * f / 2
-    return (p - 1) * tot * _BUBBLE.get(name, 1.0)
-
-
 def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str], None]):
     """Every layout the world size, batch and model allow (violations go to ``reject``)."""
     N, U = req.gpus, len(profile.units)
@@ -315,7 +297,7 @@ def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
     tf, ti, tw, static, min_in, min_work = sums
     p = lay.pp
     f, i, w = tf / p, ti / p, tw / p
-    t = lay.m * (f + i + w) + _screen_bubble(lay.schedule, p, lay.v, f, i, w)
+    t = lay.m * (f + i + w) + registry.screen_bubble(lay.schedule, p, lay.v, f, i, w)
     c = Candidate(lay, "screened", screen_time=t)
     # cannot fit even perfectly balanced, with every stage recomputing (keeps only its input):
     # the schedule's in-flight bound (in M_B = v stages' inputs) times the smallest input

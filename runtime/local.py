@@ -1,16 +1,19 @@
 """Local mode: every rank's action list runs in one process, in schedule order.
 
-Ranks take turns: each turn runs the next action of every rank whose inputs are ready (an F
-needs the previous stage's F of that microbatch, an I or B the next stage's I or B, a W its
-own I). That is one valid interleaving of the per-rank orders, so local mode computes exactly
-what the distributed runtime computes, with the same per-stage order of microbatches.
+Ranks take turns: each turn runs the next action of every rank whose inputs are ready (the
+dependency rule of schedules/deps.py). That is one valid interleaving of the per-rank orders,
+and each action runs as the same primitive calls as in the distributed runtime
+(runtime/actions.py), so local mode computes exactly what the distributed runtime computes,
+with the same per-stage order of microbatches.
 """
 from __future__ import annotations
 
 import torch
 
 from autopar.passes.split_backward import StageProgram
+from autopar.schedules.deps import Key, needs, produces
 
+from .actions import run_action
 from .stage_work import StageWork
 
 
@@ -45,10 +48,11 @@ class LocalPipeline:
         """
         m = len(microbatches)
         if m != self.schedule.num_microbatches:
-            raise ValueError(f"autopar: the schedule was built for {self.schedule.num_microbatches} microbatches, got {m}")
-        work = self.work
-        work.begin(microbatches, loss_scale)
-        done: set[tuple[int, str, int]] = set()
+            raise ValueError(f"autopar: the schedule was built for {self.schedule.num_microbatches} microbatches, "
+                             f"got {m}")
+        self.work.begin(microbatches, loss_scale)
+        owner = self.schedule.stage_to_rank
+        done: set[Key] = set()  # the values computed so far
         actions = [list(a) for a in self.schedule.actions]
         cursor = [0] * len(actions)
         self.executed = [[] for _ in actions]
@@ -60,8 +64,8 @@ class LocalPipeline:
                     a = acts[cursor[r]]
                     if not self._ready(a, done):
                         break
-                    self._run(a)
-                    done.add((a.stage, "B" if a.type in "IB" else a.type, a.microbatch))
+                    run_action(self, a, owner, r)
+                    done.update(produces(a))
                     self.executed[r].append(str(a))
                     cursor[r] += 1
                     remaining -= 1
@@ -70,44 +74,47 @@ class LocalPipeline:
                 stuck = {r: str(acts[cursor[r]]) for r, acts in enumerate(actions) if cursor[r] < len(acts)}
                 raise RuntimeError(f"autopar: schedule {self.schedule.name} cannot make progress; "
                                    f"next action per rank: {stuck}")
-        return work.total_loss()
+        return self.work.total_loss()
 
-    def _run(self, a) -> None:
-        work, s, k = self.work, a.stage, a.microbatch
-        if a.type == "F":
-            if ("F", s, k) in self._in_flight:
-                work.put_inputs(s, k, self._in_flight.pop(("F", s, k)).wait())
-            work.forward(s, k)
-            outputs = work.take_outputs(s, k)
-            if s + 1 < self.num_stages:
-                if self._crosses(s, s + 1):
-                    self._in_flight["F", s + 1, k] = self.transfers.copy(outputs)
-                else:
-                    work.put_inputs(s + 1, k, outputs)
-        elif a.type in "IB":
-            if ("B", s, k) in self._in_flight:
-                work.put_grads(s, k, self._in_flight.pop(("B", s, k)).wait())
-            (work.input_grads if a.type == "I" else work.full_backward)(s, k)
-            gin = work.take_input_grads(s, k)
-            if s > 0:
-                if self._crosses(s, s - 1):
-                    self._in_flight["B", s - 1, k] = self.transfers.copy(gin)
-                else:
-                    work.put_grads(s - 1, k, gin)
-        elif a.type == "W":
-            work.weight_grads(s, k)
-        else:
-            raise ValueError(f"autopar: local mode runs compute actions only, got {a}")
+    def _ready(self, a, done: set[Key]) -> bool:
+        """Every input of compute action ``a`` exists; a communication action never runs here."""
+        return a.is_compute and all(need in done for need in needs(a, self.num_stages))
+
+    # -- primitives (runtime/actions.py calls them) ------------------------------------------
+    # A value crossing pipeline ranks is handed over in place, or, with ``transfers``, copied
+    # on the side stream at its producer and waited for by its consumer's wait_f / wait_b.
+
+    def wait_f(self, s: int, k: int) -> None:
+        """Stage s's inputs for microbatch k from another rank, once their copy landed."""
+        if self.transfers is not None:
+            self.work.put_inputs(s, k, self._in_flight.pop(("F", s, k)).wait())
+
+    def wait_b(self, s: int, k: int) -> None:
+        """The gradients of stage s's outputs for microbatch k from another rank, once copied."""
+        if self.transfers is not None:
+            self.work.put_grads(s, k, self._in_flight.pop(("B", s, k)).wait())
+
+    def forward(self, s: int, k: int) -> None:
+        self.work.forward(s, k)
+        outputs = self.work.take_outputs(s, k)
+        if s + 1 < self.num_stages:
+            if self._crosses(s, s + 1):
+                self._in_flight["F", s + 1, k] = self.transfers.copy(outputs)
+            else:
+                self.work.put_inputs(s + 1, k, outputs)
+
+    def backward(self, s: int, k: int, kind: str) -> None:
+        """kind "I" (input grads only) or "B" (input and weight grads)."""
+        (self.work.input_grads if kind == "I" else self.work.full_backward)(s, k)
+        gin = self.work.take_input_grads(s, k)
+        if s > 0:
+            if self._crosses(s, s - 1):
+                self._in_flight["B", s - 1, k] = self.transfers.copy(gin)
+            else:
+                self.work.put_grads(s - 1, k, gin)
+
+    def weight(self, s: int, k: int) -> None:
+        self.work.weight_grads(s, k)
 
     def _crosses(self, s: int, t: int) -> bool:
         return self.transfers is not None and self.schedule.stage_to_rank[s] != self.schedule.stage_to_rank[t]
-
-    def _ready(self, a, done) -> bool:
-        s, k = a.stage, a.microbatch
-        if a.type == "F":
-            return s == 0 or (s - 1, "F", k) in done
-        if a.type in "IB":
-            return (s, "F", k) in done and (s == self.num_stages - 1 or (s + 1, "B", k) in done)
-        if a.type == "W":
-            return (s, "B", k) in done
-        return False

@@ -16,6 +16,7 @@ import argparse
 import sys
 
 from autopar.schedules import render
+from autopar.schedules.ir import linear_layout
 from autopar.schedules.lower import check_deadlock_free, lower
 from autopar.schedules.registry import GENERATORS, build
 from autopar.schedules.simulate import simulate
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             v = sched.stages_per_rank
             if v == 1:
                 shape = "one stage per rank"
-            elif sched.stage_to_rank == tuple(s % args.pp for s in range(sched.num_stages)):
+            elif sched.stage_to_rank == linear_layout(args.pp, v):
                 shape = "interleaved"
             else:
                 shape = "V"

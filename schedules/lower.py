@@ -22,7 +22,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from autopar.schedules.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action, Schedule
+from autopar.schedules.deps import Key, needs, produces, producers
+from autopar.schedules.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
 from autopar.schedules.simulate import simulate
 
 
@@ -56,6 +57,23 @@ def _messages(schedule: Schedule, a: Action) -> list[tuple[Action, int, Action]]
     if a.type in (I, B) and s > 0 and owner[s - 1] != owner[s]:
         out.append((Action(s, SEND_B, k), owner[s - 1], Action(s - 1, RECV_B, k)))
     return out
+
+
+def _carried(a: Action) -> Key:
+    """The value (a ``deps`` key) that communication action ``a`` moves."""
+    s, k = a.stage, a.microbatch
+    return {SEND_F: (s, "F", k), SEND_B: (s, "G", k), RECV_F: (s - 1, "F", k), RECV_B: (s + 1, "G", k)}[a.type]
+
+
+def _later_on_same_rank(a: Action, need: Key) -> str:
+    """What ``a`` waits for when its input ``need`` is computed on its own rank but not yet."""
+    s, kind, k = need
+    if kind == "G":
+        return f"the input gradient of stage {s} (mb {k}), computed later on the same rank"
+    if s != a.stage:
+        return f"F(stage {s}, mb {k}) which comes later on the same rank"
+    own = producers(need)[0]
+    return f"its {own.type} {own} first"
 
 
 def lower(schedule: Schedule, costs=None) -> Lowered:
@@ -114,9 +132,9 @@ def check_deadlock_free(lowered: Lowered) -> bool:
     sched = lowered.schedule
     owner, S = sched.stage_to_rank, sched.num_stages
     pp = len(lowered.actions)
-    sent: set[tuple[str, int, int]] = set()  # ("F"|"B", sender stage, mb)
-    received: list[set[tuple[str, int, int]]] = [set() for _ in range(pp)]  # ("F"|"B", receiver stage, mb)
-    done: list[set[tuple[int, str, int]]] = [set() for _ in range(pp)]
+    sent: set[Key] = set()  # values whose send was issued
+    received: list[set[Key]] = [set() for _ in range(pp)]  # values received on each rank
+    done: list[set[Key]] = [set() for _ in range(pp)]  # values computed on each rank
     n_send = sum(1 for acts in lowered.actions for a in acts if a.type in (SEND_F, SEND_B))
     n_recv = sum(1 for acts in lowered.actions for a in acts if a.type in (RECV_F, RECV_B))
     if n_send != n_recv:
@@ -125,24 +143,13 @@ def check_deadlock_free(lowered: Lowered) -> bool:
 
     def missing_input(r: int, a: Action) -> str | None:
         """Why compute ``a`` cannot run on rank r now (None if it can). Such a wait is permanent."""
-        s, k = a.stage, a.microbatch
-        if a.type == F and s > 0:
-            if owner[s - 1] == r:
-                if (s - 1, F, k) not in done[r]:
-                    return f"F(stage {s - 1}, mb {k}) which comes later on the same rank"
-            elif ("F", s, k) not in received[r]:
-                return f"a RECV_F {Action(s, RECV_F, k)} before it"
-        if a.type in (I, B):
-            if (s, F, k) not in done[r]:
-                return f"its F {Action(s, F, k)} first"
-            if s < S - 1:
-                if owner[s + 1] == r:
-                    if (s + 1, "G", k) not in done[r]:
-                        return f"the input gradient of stage {s + 1} (mb {k}), computed later on the same rank"
-                elif ("B", s, k) not in received[r]:
-                    return f"a RECV_B {Action(s, RECV_B, k)} before it"
-        if a.type == W and (s, I, k) not in done[r]:
-            return f"its I {Action(s, I, k)} first"
+        for need in needs(a, S):
+            if owner[need[0]] == owner[a.stage]:
+                if need not in done[r]:
+                    return _later_on_same_rank(a, need)
+            elif need not in received[r]:
+                recv = Action(a.stage, RECV_F if need[1] == "F" else RECV_B, a.microbatch)
+                return f"a {recv.type} {recv} before it"
         return None
 
     pos = [0] * pp
@@ -152,18 +159,15 @@ def check_deadlock_free(lowered: Lowered) -> bool:
         for r, acts in enumerate(lowered.actions):
             while pos[r] < len(acts):
                 a = acts[pos[r]]
-                s, k = a.stage, a.microbatch
                 if a.type in (SEND_F, SEND_B):
-                    src = (s, F if a.type == SEND_F else "G", k)
-                    if src not in done[r]:
+                    if _carried(a) not in done[r]:
                         raise ValueError(f"lowered {sched.name}: rank {r} position {pos[r]}: {a} before the compute "
                                          "that produces its value")
-                    sent.add(("F" if a.type == SEND_F else "B", s, k))
+                    sent.add(_carried(a))
                 elif a.type in (RECV_F, RECV_B):
-                    peer = s - 1 if a.type == RECV_F else s + 1
-                    if ("F" if a.type == RECV_F else "B", peer, k) not in sent:
+                    if _carried(a) not in sent:
                         break  # blocks until the peer issues the send
-                    received[r].add(("F" if a.type == RECV_F else "B", s, k))
+                    received[r].add(_carried(a))
                 else:
                     unit = [a] + ([acts[pos[r] + 1]] if pos[r] in ovl[r] else [])
                     for u in unit:
@@ -172,9 +176,7 @@ def check_deadlock_free(lowered: Lowered) -> bool:
                             raise ValueError(f"lowered {sched.name}: rank {r} position {pos[r]}: {u} needs {why}; "
                                              "it would wait forever")
                     for u in unit:
-                        done[r].add((u.stage, u.type, u.microbatch))
-                        if u.type in (I, B):
-                            done[r].add((u.stage, "G", u.microbatch))
+                        done[r].update(produces(u))
                     pos[r] += len(unit) - 1
                     remaining -= len(unit) - 1
                 pos[r] += 1

@@ -3,8 +3,8 @@
 Timing model (all times in the caller's unit, e.g. ms):
 
 * every rank runs its actions in order, one at a time; an action starts when the rank is
-  free and its inputs exist: F(s,k) after F(s-1,k); I/B(s,k) after F(s,k) and after
-  I/B(s+1,k); W(s,k) after I(s,k);
+  free and its inputs exist (the rule of ``deps.py``): F(s,k) after F(s-1,k); I/B(s,k) after
+  F(s,k) and after I/B(s+1,k); W(s,k) after I(s,k);
 * an input produced on another rank arrives ``p2p_latency + message_bytes[b] / p2p_bandwidth``
   after it was produced (b = the boundary between stages b and b+1; both directions carry a
   tensor of that size). Inputs produced on the same rank cost nothing;
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autopar.schedules.costs import Costs, activation_units, as_costs
-from autopar.schedules.ir import B, F, I, W, Action, Schedule
+from autopar.schedules.deps import Key, needs, produces
+from autopar.schedules.ir import B, COMPUTE_TYPES, F, I, W, Action, Schedule
 
 
 @dataclass(frozen=True)
@@ -110,47 +111,27 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
     S, pp = schedule.num_stages, schedule.pp
     delay = comm_delays(S, p2p_latency, p2p_bandwidth, message_bytes)
     owner = schedule.stage_to_rank
-    # (stage, kind, mb) -> time the result exists on its own rank; kind "F" or "G" (input grad).
-    done: dict[tuple[int, str, int], float] = {}
+    done: dict[Key, float] = {}  # deps key -> time the value exists on its producer's rank
 
     def ready(a: Action) -> float | None:
-        """Earliest time ``a``'s inputs exist on its rank, or None if some input is not produced yet."""
-        s, k = a.stage, a.microbatch
-        t = 0.0
-        if a.type == F:
-            if s > 0:
-                e = done.get((s - 1, "F", k))
-                if e is None:
-                    return None
-                t = e + (delay[s - 1] if owner[s - 1] != owner[s] else 0.0)
-        elif a.type in (I, B):
-            e = done.get((s, "F", k))
-            if e is None:
-                return None
-            t = e
-            if s < S - 1:
-                g = done.get((s + 1, "G", k))
-                if g is None:
-                    return None
-                t = max(t, g + (delay[s] if owner[s + 1] != owner[s] else 0.0))
-        elif a.type == W:
-            e = done.get((s, "I", k))
-            if e is None:
-                return None
-            t = e
-        else:
+        """Earliest time ``a``'s inputs exist on its rank, or None if some input is not produced yet.
+
+        An input from a stage on another rank arrives ``delay[b]`` after it was made, b the
+        boundary between the two (adjacent) stages.
+        """
+        if a.type not in COMPUTE_TYPES:
             raise ValueError(f"simulate takes compute actions only (F, I, W, B), got {a}; simulate before lower()")
+        t = 0.0
+        for need in needs(a, S):
+            e = done.get(need)
+            if e is None:
+                return None
+            src = need[0]
+            t = max(t, e + (delay[min(src, a.stage)] if owner[src] != owner[a.stage] else 0.0))
         return t
 
     def finish(a: Action, end: float) -> None:
-        s, k = a.stage, a.microbatch
-        if a.type == F:
-            done[(s, "F", k)] = end
-        elif a.type == I:
-            done[(s, "G", k)] = end
-            done[(s, "I", k)] = end
-        elif a.type == B:
-            done[(s, "G", k)] = end
+        done.update(dict.fromkeys(produces(a), end))
 
     free = [0.0] * pp
     busy = [0.0] * pp

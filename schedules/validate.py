@@ -9,37 +9,15 @@ Checks, in order (the first failure is reported, with rank, position and the fix
 3. per stage, F actions run in increasing microbatch order (the runtime applies buffer
    updates such as BatchNorm running stats in that order, design.md §5);
 4. an F&B overlap unit pairs an F with a B or I of another stage, on one rank;
-5. within a rank, nothing comes before a same-rank action it needs (I/B after its F, W after
-   its I, F(s,k) after F(s-1,k) and I/B(s,k) after I/B(s+1,k) when those stages share the rank);
-6. across ranks the orders are jointly satisfiable: replaying them with the dependencies
-   F(s-1,k) -> F(s,k), F(s,k) -> I/B(s,k), I/B(s+1,k) -> I/B(s,k), I(s,k) -> W(s,k) finishes.
+5. within a rank, nothing comes before a same-rank action it needs (the dependency rule of
+   ``deps.py``: I/B after its F, W after its I, F(s,k) after F(s-1,k) and I/B(s,k) after
+   I/B(s+1,k) when those stages share the rank);
+6. across ranks the orders are jointly satisfiable: replaying them under that rule finishes.
 """
 from __future__ import annotations
 
+from autopar.schedules.deps import Key, needs, produces, producers
 from autopar.schedules.ir import B, COMPUTE_TYPES, F, I, W, Action, Schedule
-
-
-def _deps(a: Action, last: int) -> list[tuple[int, str, int]]:
-    """Keys (stage, kind, mb) that must exist before ``a``; kind "G" = input gradient."""
-    s, k = a.stage, a.microbatch
-    if a.type == F:
-        return [(s - 1, "F", k)] if s > 0 else []
-    if a.type in (I, B):
-        return [(s, "F", k)] + ([(s + 1, "G", k)] if s < last else [])
-    if a.type == W:
-        return [(s, "I", k)]
-    raise AssertionError(a)
-
-
-def _produces(a: Action) -> list[tuple[int, str, int]]:
-    s, k = a.stage, a.microbatch
-    if a.type == F:
-        return [(s, "F", k)]
-    if a.type == I:
-        return [(s, "G", k), (s, "I", k)]
-    if a.type == B:
-        return [(s, "G", k)]
-    return []
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -101,18 +79,17 @@ def validate(schedule: Schedule) -> Schedule:
                                  "unit is an F followed by a B or I of another stage")
     # 5. same-rank order.
     for r, acts in enumerate(schedule.actions):
-        pos = {(a.stage, a.type, a.microbatch): i for i, a in enumerate(acts)}
+        pos = {a: i for i, a in enumerate(acts)}
         for i, a in enumerate(acts):
-            for (s, kind, k) in _deps(a, S - 1):
-                if owner[s] != r:
+            for need in needs(a, S):
+                if owner[need[0]] != r:
                     continue
-                cands = [(s, t, k) for t in ((F,) if kind == "F" else (I, B) if kind == "G" else (I,))]
-                j = min((pos[c] for c in cands if c in pos), default=None)
+                j = min((pos[c] for c in producers(need) if c in pos), default=None)
                 if j is not None and j > i:
                     raise ValueError(f"schedule {name}: rank {r}: {a} at position {i} comes before "
                                      f"{acts[j]} at position {j}, which it needs; swap them")
     # 6. cross-rank satisfiability: replay, advancing any rank whose next action's inputs exist.
-    done: set[tuple[int, str, int]] = set()
+    done: set[Key] = set()
     pos = [0] * schedule.pp
     remaining = sum(len(a) for a in schedule.actions)
     ovl = [schedule.overlaps(r) for r in range(schedule.pp)]
@@ -121,10 +98,10 @@ def validate(schedule: Schedule) -> Schedule:
         for r, acts in enumerate(schedule.actions):
             while pos[r] < len(acts):
                 unit = [acts[pos[r]]] + ([acts[pos[r] + 1]] if pos[r] in ovl[r] else [])
-                if not all(d in done for a in unit for d in _deps(a, S - 1)):
+                if not all(d in done for a in unit for d in needs(a, S)):
                     break
                 for a in unit:
-                    done.update(_produces(a))
+                    done.update(produces(a))
                 pos[r] += len(unit)
                 remaining -= len(unit)
                 progressed = True
@@ -133,9 +110,8 @@ def validate(schedule: Schedule) -> Schedule:
             for r, acts in enumerate(schedule.actions):
                 if pos[r] < len(acts):
                     a = acts[pos[r]]
-                    need = [d for d in _deps(a, S - 1) if d not in done]
-                    what = ", ".join(f"{'F' if kind == 'F' else 'I' if kind == 'I' else 'I/B'}"
-                                     f"(stage {s}, mb {k}) on rank {owner[s]}" for s, kind, k in need)
+                    what = ", ".join(f"{'/'.join(p.type for p in producers(d))}(stage {d[0]}, mb {d[2]}) on rank "
+                                     f"{owner[d[0]]}" for d in needs(a, S) if d not in done)
                     waits.append(f"rank {r} at position {pos[r]} ({a}) waits for {what}")
             raise ValueError(f"schedule {name}: the ranks' orders deadlock: " + "; ".join(waits))
     return schedule

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from autopar.schedules import build, default_stages_per_rank, names, peak_memory, simulate, validate
-from autopar.schedules.registry import GENERATORS
+from autopar.schedules.registry import GENERATORS, layout, screen_bubble
 
 ALL = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-auto", "zbv", "v-half", "v-min", "dualpipev")
 
@@ -157,3 +157,32 @@ def test_builds_are_cached_and_immutable():
     assert build("zbv", 4, 8) is build("zbv", 4, 8)
     with pytest.raises(AttributeError):
         build("zbv", 4, 8).pp = 3
+
+
+def test_layout_is_the_built_schedules_stage_to_rank():
+    for name in ALL:
+        for pp in (2, 3, 4):
+            for v in (1, 2, 3):
+                if name == "zb-auto" and v == 2:
+                    continue  # its search returns the V or the interleaved layout, whichever is faster
+                try:
+                    s = build(name, pp, 4 * pp, stages_per_rank=v)
+                except ValueError:
+                    continue
+                assert layout(name, pp, v) == s.stage_to_rank, (name, pp, v)
+    assert layout("zb-auto", 4, 2) == (0, 1, 2, 3, 3, 2, 1, 0)  # the V
+    assert layout("interleaved-1f1b", 2, 3) == (0, 1, 0, 1, 0, 1)
+
+
+@pytest.mark.parametrize("name,v,costs,bubble", [
+    ("gpipe", 1, (1, 1, 1), 9.0),  # (p-1)(F+I+W) at p = 4
+    ("1f1b", 1, (1, 2, 3), 18.0),
+    ("interleaved-1f1b", 3, (1, 1, 1), 3.0),  # (p-1)(F+I+W)/v
+    ("zb-h1", 1, (1, 1, 1), 3.0),  # (p-1)(F+I-W)
+    ("zb-h1", 1, (1, 1, 3), 0.0),  # W covers the whole bubble
+    ("zbv", 2, (2, 1, 1), 3.0),  # (p-1)F/2
+    ("v-half", 2, (1, 1, 1), 4.5),
+    ("zb-auto", 1, (1, 1, 1), 0.9),
+])
+def test_screen_bubble_by_hand(name, v, costs, bubble):
+    assert screen_bubble(name, 4, v, *costs) == pytest.approx(bubble)
