@@ -82,7 +82,7 @@ def _train(args) -> dict:
         t = time.perf_counter()
         losses.append(float(pm.step(inputs, target)))
         times.append(time.perf_counter() - t)
-    b = pm._built
+    b = pm.built
     from autopar.inspect import stage_rows
 
     return {"losses": losses, "times": times, "built_s": built, "plan": pm.plan.table(), "dp": pm.plan.dp,

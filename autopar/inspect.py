@@ -49,6 +49,10 @@ def stage_table(programs, schedule=None, rows: list[dict] | None = None) -> str:
 
 
 def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
+    """stageN_{F,I,W,B}.py (the programs as split), .exec.py (as the runtime runs them) and
+    stages.txt, for the stages whose programs this process holds."""
+    from autopar.runtime.execute import executed_code
+
     paths = []
     for prog in programs:
         if not hasattr(prog, "f"):
@@ -65,7 +69,7 @@ def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
             with open(path, "w") as fh:  # the same program as the runtime runs it
                 fh.write(f"# autopar stage {s} {kind} program as executed (passes/exec_code.py: peepholes, "
                          f"ops bound once to their C++ entry points)\n")
-                fh.write(p.executed_code)
+                fh.write(executed_code(p))
             paths.append(path)
     path = os.path.join(directory, "stages.txt")
     with open(path, "w") as fh:
@@ -73,4 +77,20 @@ def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
             fh.write("plan:\n" + plan.table() + "\n\n")
         fh.write(stage_table(programs, schedule) + "\n")
     paths.append(path)
+    return paths
+
+
+def dump_steps(schedule, directory: str) -> list[str]:
+    """rankN_step.py: the generated step of every pipeline rank (runtime/codegen.py)."""
+    from autopar import schedules
+    from autopar.runtime.codegen import generate_source
+
+    paths = []
+    for r, acts in enumerate(schedules.lower(schedule).actions):
+        path = os.path.join(directory, f"rank{r}_step.py")
+        with open(path, "w") as fh:
+            fh.write(f"# autopar: what pipeline rank {r} runs each step ({schedule.name}, "
+                     f"{schedule.num_microbatches} microbatches); rt is runtime.distributed.DistributedPipeline\n")
+            fh.write(generate_source(acts, schedule.stage_to_rank, r))
+        paths.append(path)
     return paths

@@ -96,7 +96,7 @@ def spearman(x: list[float], y: list[float]) -> float:
 
 def _instrument(pm, rec: dict):
     """Wrap the executor's primitives so each call's wall time lands in rec[(kind, stage)]."""
-    ex = pm._built.executor
+    ex = pm.built.executor
 
     def wrap(kind, fn, stage_arg=True):
         def timed(*a):

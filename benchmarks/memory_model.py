@@ -161,8 +161,8 @@ def optimizer_state_tensors(opt) -> list:
 
 
 def trained_params(pm) -> list:
-    ex = pm._built.executor
-    return [pm._built.executor.params[f] for f in ex.my_params]
+    b = pm.built
+    return [b.params[f] for f in b.parallelisms["dp"].trained]
 
 
 def _rank_main(rank, world, cfg):
@@ -200,7 +200,7 @@ def _rank_main(rank, world, cfg):
         with probe:
             pm.step(inputs, target)
         results.append({"peak": probe.peak_bytes, "baseline": probe.baseline_bytes, "base": base,
-                        "unused_model_copy": unused, "stages": list(pm._built.executor.my_stages),
+                        "unused_model_copy": unused, "stages": list(pm.built.executor.my_stages),
                         "storages": probe.counted_storages})
         del pm, model
         gc.collect()

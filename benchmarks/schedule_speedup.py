@@ -79,7 +79,7 @@ def measure_stage_costs(model_kwargs: dict, m: int, steps: int, warmup: int = 1)
         model, inputs, target, loss_fn = make_gpt(**model_kwargs)
         pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=1e-3),
                                  plan=autopar.Plan(pp=2, schedule=name, num_microbatches=m), example_target=target)
-        work = pm._built.executor.work
+        work = pm.built.executor.work
         samples[name] = {}
         for kind, meth in (("F", "forward"), ("I", "input_grads"), ("W", "weight_grads"), ("B", "full_backward")):
             setattr(work, meth, wrap(samples[name], kind, getattr(work, meth)))
@@ -144,7 +144,7 @@ def _rank_main(rank, world, cfg):
         return _timed(store, kind, fn, recording)
 
     for name in SCHEDULES:
-        work = pms[name]._built.executor.work
+        work = pms[name].built.executor.work
         for kind, meth in (("F", "forward"), ("I", "input_grads"), ("W", "weight_grads"), ("B", "full_backward")):
             setattr(work, meth, wrap(samples[name], kind, getattr(work, meth)))
     # one-way P2P time of one boundary activation (microbatch x seq x d_model fp32), ping-pong

@@ -38,6 +38,9 @@ import time
 import torch
 import torch.nn as nn
 
+from autopar.passes import keys
+from autopar.runtime.execute import run
+
 TARGET_VS_EAGER = 1.05
 TARGET_VS_TORCH = 0.95
 RTOL = 1e-5
@@ -73,14 +76,15 @@ def build_middle_stage(args):
     t0 = time.perf_counter()
     cap = capture(model, inputs, target, loss_fn)
     order = [n for n in cap.gm.graph.nodes if n.op in ("call_function", "get_attr")]
-    keys, prev = [], None
+    blocks_at, prev = [], None
     for n in order:
         k = block_key(n)
         prev = prev if k is ... else k
-        keys.append(prev)
+        blocks_at.append(prev)
+
     # block_key yields the export path ("model.blocks.3"); match on the tail so either spelling works
     def first(i):
-        return next(j for j, k in enumerate(keys)
+        return next(j for j, k in enumerate(blocks_at)
                     if k is not None and (k == f"blocks.{i}" or k.endswith(f".blocks.{i}")))
 
     cuts = [first(1), first(L + 1)]
@@ -104,8 +108,7 @@ class Variants:
     def __init__(self, model, st, prog, blocks, x, g):
         self.st, self.prog, self.blocks = st, prog, blocks
         self.in_name, self.out_name = st.inputs[0], st.outputs[0]
-        self.state = {f"param:{fqn}": p for fqn, p in model.named_parameters()}
-        self.state.update({f"buffer:{fqn}": b for fqn, b in model.named_buffers()})
+        self.state = keys.state(dict(model.named_parameters()), dict(model.named_buffers()), {})
         strides = prog.input_strides[self.in_name]
         x_in = x if x.stride() == strides else torch.empty_strided(x.shape, strides, dtype=x.dtype).copy_(x)
         self.x_ours, self.x, self.g = x_in, x, g
@@ -114,19 +117,19 @@ class Variants:
 
     # ours ------------------------------------------------------------------------------------
     def ours_fiw(self):
-        p, env = self.prog, {f"in:{self.in_name}": self.x_ours}
-        p.f(env, self.state, keep=p.keys_after("F"))  # as StageWork: a program frees what it read last
-        env[f"grad:{self.out_name}"] = self.g
-        p.i(env, self.state, keep=p.keys_after("I"))
-        p.w(env, self.state, keep=frozenset())
-        return env[f"gin:{self.in_name}"], {f: env[f"gparam:{f}"] for f in p.grad_params}
+        p, env = self.prog, {keys.input(self.in_name): self.x_ours}
+        run(p.f, env, self.state, keep=p.keys_after("F"))  # as StageWork: a program frees what it read last
+        env[keys.grad(self.out_name)] = self.g
+        run(p.i, env, self.state, keep=p.keys_after("I"))
+        run(p.w, env, self.state, keep=frozenset())
+        return env[keys.gin(self.in_name)], {f: env[keys.gparam(f)] for f in p.grad_params}
 
     def ours_fb(self):
-        p, env = self.prog, {f"in:{self.in_name}": self.x_ours}
-        p.f(env, self.state, keep=p.keys_after("F"))
-        env[f"grad:{self.out_name}"] = self.g
-        p.b(env, self.state, keep=frozenset())
-        return env[f"gin:{self.in_name}"], {f: env[f"gparam:{f}"] for f in p.grad_params}
+        p, env = self.prog, {keys.input(self.in_name): self.x_ours}
+        run(p.f, env, self.state, keep=p.keys_after("F"))
+        env[keys.grad(self.out_name)] = self.g
+        run(p.b, env, self.state, keep=frozenset())
+        return env[keys.gin(self.in_name)], {f: env[keys.gparam(f)] for f in p.grad_params}
 
     # eager -----------------------------------------------------------------------------------
     def _zero(self):
@@ -250,14 +253,14 @@ def phase_times(prog, v: Variants, reps: int) -> dict[str, float]:
     """Median thread-CPU time of ours' F, I and W programs, each timed alone, run in order."""
     out = {"F": [], "I": [], "W": []}
     for _ in range(reps):
-        env = {f"in:{v.in_name}": v.x_ours}
+        env = {keys.input(v.in_name): v.x_ours}
         c0 = time.thread_time()
-        prog.f(env, v.state, keep=prog.keys_after("F"))
+        run(prog.f, env, v.state, keep=prog.keys_after("F"))
         c1 = time.thread_time()
-        env[f"grad:{v.out_name}"] = v.g
-        prog.i(env, v.state, keep=prog.keys_after("I"))
+        env[keys.grad(v.out_name)] = v.g
+        run(prog.i, env, v.state, keep=prog.keys_after("I"))
         c2 = time.thread_time()
-        prog.w(env, v.state, keep=frozenset())
+        run(prog.w, env, v.state, keep=frozenset())
         c3 = time.thread_time()
         del env
         out["F"].append(c1 - c0)

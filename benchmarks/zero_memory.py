@@ -50,9 +50,9 @@ def _rank_main(rank, world, cfg):
     opt = functools.partial(torch.optim.AdamW, lr=1e-3)
     plan = autopar.Plan(dp=world, schedule="1f1b", num_microbatches=1, zero=cfg["zero"])
     pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, example_target=target)
-    sharded = getattr(pm._built.executor, "sharded", None)
+    sharded = pm.built.parallelisms["dp"].storage
     inner = pm.optimizer.optimizer if sharded is not None else pm.optimizer
-    trained = list(pm._params.values()) + (sharded.masters() if sharded is not None else [])
+    trained = list(pm.built.params.values()) + (sharded.masters() if sharded is not None else [])
     snap = {}
 
     def measured_step(original=pm.optimizer.step):

@@ -91,8 +91,8 @@ def _rank_main(rank, world, cfg):
             dist.barrier()
             times[name].append((time.perf_counter() - t0) / cfg["steps"])
 
-    sharded = pm._built.executor.sharded
-    ours_state = [p.data for p in pm._params.values() if p.data.numel()] + sharded.masters() + \
+    sharded = pm.built.parallelisms["dp"].storage
+    ours_state = [p.data for p in pm.built.params.values() if p.data.numel()] + sharded.masters() + \
         [t for st in pm.optimizer.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     peer_state = list(peer.parameters()) + \
         [t for st in peer_opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]

@@ -13,6 +13,7 @@ import logging
 import os
 import traceback
 import warnings
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,15 @@ class CapturedGraph:
             if n.name == name:
                 return n
         raise KeyError(name)
+
+    def copy(self) -> "CapturedGraph":
+        """The same capture over a copy of the graph (node names and meta kept), for passes that
+        return a rewritten capture without changing their input."""
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(self.gm.graph, {}))
+        gm = fx.GraphModule(self.gm, graph, class_name=type(self.gm).__name__)
+        gm.meta.update(self.gm.meta)
+        return dataclasses.replace(self, gm=gm)
 
     def summary(self) -> str:
         n_ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")

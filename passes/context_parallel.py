@@ -95,8 +95,8 @@ def apply_context_parallel(captured: CapturedGraph, cp: int, cp_rank: int, group
     """Rewrite ``captured`` (captured on sequence shard ``cp_rank`` of ``cp``) for Ulysses CP.
 
     ``group`` is the cp process group (a ProcessGroup, or its registered group name), whose rank
-    ``i`` holds sequence shard ``i``. The graph is changed in place and returned; its node
-    ``meta["val"]`` and cost annotations are kept current. ``cp == 1`` returns it unchanged.
+    ``i`` holds sequence shard ``i``. Returns a new CapturedGraph (``captured`` is not changed)
+    whose node ``meta["val"]`` and cost annotations are current. ``cp == 1`` returns ``captured``.
     """
     if not isinstance(cp, int) or cp < 1:
         raise ValueError(f"autopar: context parallel degree cp must be a positive integer, got {cp!r}")
@@ -104,10 +104,12 @@ def apply_context_parallel(captured: CapturedGraph, cp: int, cp_rank: int, group
         raise ValueError(f"autopar: cp_rank {cp_rank} is outside 0..{cp - 1} for cp={cp}")
     if cp == 1:
         return captured
-    gm, graph = captured.gm, captured.gm.graph
-    if "autopar_context_parallel" in gm.meta:
+    if "autopar_context_parallel" in captured.gm.meta:
         raise ValueError(f"autopar: context parallelism was already applied to this graph "
-                         f"(cp, cp_rank = {gm.meta['autopar_context_parallel']}); apply it once, to a fresh capture")
+                         f"(cp, cp_rank = {captured.gm.meta['autopar_context_parallel']}); apply it once, to a "
+                         "fresh capture")
+    captured = captured.copy()
+    gm, graph = captured.gm, captured.gm.graph
     group_name = _group_name(group, cp, cp_rank)
     fake_mode = detect_fake_mode([n.meta.get("val") for n in graph.nodes if n.op == "placeholder"])
     assert fake_mode is not None, "captured graphs carry fake tensors in meta['val']"

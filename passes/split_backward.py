@@ -12,7 +12,7 @@ Ops that produce an input grad and weight grads in one call (layer/batch/group n
 convolution backward) are first cut in two by their ``output_mask`` so that I never computes
 a weight gradient and W never computes an input gradient.
 
-Programs exchange values by *key* (see StageProgram): the runtime keeps one dict per
+Programs exchange values by *key* (passes/keys.py): the runtime keeps one dict per
 (stage, microbatch), fills it with what F returns, passes each program the keys it lists, and
 drops every key no later program of that microbatch reads.
 """
@@ -22,14 +22,15 @@ import keyword
 import logging
 import operator
 import re
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from . import keys
 from .costs import annotate_costs, graph_flops, is_random, value_bytes
+from .program import Program, StageInfo, StageProgram
 from .split_stages import StageGraph
 
 log = logging.getLogger("autopar")
@@ -44,143 +45,6 @@ _MASKED_BACKWARD = {
 }
 
 
-def param_key(fqn: str) -> str:
-    return f"param:{fqn}"
-
-
-def buffer_key(fqn: str) -> str:
-    return f"buffer:{fqn}"
-
-
-def const_key(name: str) -> str:
-    return f"const:{name}"
-
-
-def data_key(name: str) -> str:
-    return f"data:{name}"
-
-
-def input_key(name: str) -> str:
-    return f"in:{name}"
-
-
-def grad_key(name: str) -> str:
-    """Gradient flowing into the stage output ``name`` (the loss's is the 1/n_total scale)."""
-    return f"grad:{name}"
-
-
-LOSS = "loss"
-
-
-@dataclass
-class Program:
-    """One generated GraphModule and the runtime keys of its arguments and results."""
-
-    gm: fx.GraphModule
-    args: tuple[str, ...]
-    results: tuple[str, ...]
-    flops: int = 0
-
-    def __call__(self, env: dict, state: dict, accumulate: tuple[str, ...] = (), into: list | None = None,
-                 keep: frozenset[str] | None = None) -> None:
-        """Read args from the microbatch env (or the shared state for parameters/buffers), run,
-        and store the results in env under their keys.
-
-        ``accumulate``/``into``: result keys and, in the same order, tensors to add those
-        results into in place (gradient accumulation over microbatches); env then holds each
-        accumulator under its key.
-        ``keep``: the env keys later programs of this microbatch still read; the others that
-        this program reads are taken out of env, so each is freed inside the program right
-        after its last use (None: env keeps everything).
-        """
-        if keep is None:
-            args = [env[k] if k in env else state[k] for k in self.args]
-        else:
-            args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in self.args]
-        if accumulate:
-            args += into
-        fn = self.executable(accumulate)
-        # The programs are already forward+backward: autograd must not record them again (it
-        # would cost time and keep I's intermediates alive through the gradients it returns).
-        with torch.no_grad():
-            outs = fn(args)
-        env.update(zip(self.results, outs))
-
-    def executable(self, accumulate: tuple[str, ...] = ()):
-        """gm compiled for running (passes/exec_code.py): ``fn(args: list)``, boxed; the results
-        named in ``accumulate`` are added into extra trailing arguments. Rebuilt if gm was
-        replaced or recompiled."""
-        gm, code = self.gm, self.gm.code
-        cached = self.__dict__.get("_exec")
-        if cached is None or cached[0] is not gm or cached[1] is not code:
-            cached = self.__dict__["_exec"] = (gm, code, {})
-        fn = cached[2].get(accumulate)
-        if fn is None:
-            from .exec_code import compile_for_execution
-
-            index = {k: i for i, k in enumerate(self.results)}
-            fn = cached[2][accumulate] = compile_for_execution(gm, tuple(index[k] for k in accumulate))
-        return fn
-
-    @property
-    def code(self) -> str:
-        return self.gm.code
-
-    @property
-    def executed_code(self) -> str:
-        """The source of what ``__call__`` runs (passes/exec_code.py), without accumulation."""
-        return self.executable().__func__.__autopar_source__
-
-
-@dataclass
-class StageInfo:
-    """What a process needs to know of a stage another pipeline rank runs."""
-
-    stage: StageGraph
-    diff_outputs: tuple[str, ...]
-
-
-@dataclass
-class StageProgram:
-    """F/I/W/B programs of one stage.
-
-    Result keys: F -> ``out:<name>`` activations, ``update:<fqn>`` buffer values, ``loss``, and
-    ``saved:<node>`` values for I/W; I -> ``gin:<name>`` input grads and ``saved:<node>`` for W;
-    W -> ``gparam:<fqn>``; B -> both gradient sets.
-    """
-
-    stage: StageGraph
-    f: Program
-    i: Program
-    w: Program
-    b: Program
-    diff_outputs: tuple[str, ...]   # stage outputs that receive a gradient (LOSS for the last stage)
-    grad_inputs: tuple[str, ...]    # stage inputs that get a gradient, in I's result order
-    grad_params: tuple[str, ...]    # canonical FQNs that get a gradient
-    input_strides: dict[str, tuple[int, ...]]  # layout each received activation must have
-    saved_bytes: int                # bytes F keeps for I and W, per microbatch
-    saved_bytes_after_i: int        # of those (plus I's own saved values), what W still needs
-    recompute: bool
-    joint: fx.GraphModule = field(repr=False)
-    regions: dict[str, frozenset[str]] = field(repr=False, default_factory=dict)  # joint node names
-
-    def __post_init__(self):
-        # computed once: the runtime asks after every F and I of every microbatch
-        self._keep = {
-            "F": frozenset(k for k in self.i.args + self.w.args + self.b.args if _is_local_key(k)),
-            "I": frozenset(k for k in self.w.args if _is_local_key(k)),
-        }
-
-    def keys_after(self, program: str) -> frozenset[str]:
-        """Keys of a microbatch's env still needed after `program` ran (for releasing memory)."""
-        return self._keep.get(program, frozenset())
-
-
-def _is_local_key(k: str) -> bool:
-    """Keys that live in a microbatch env (state keys live in the shared state dict)."""
-    return not k.startswith(("param:", "buffer:", "const:"))
-
-
 def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str] | None = None,
                    recompute: bool = False) -> StageProgram:
     """Trace the stage's joint graph and partition it into F, I, W and B programs.
@@ -191,10 +55,10 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     sg = stage.gm
     phs = [n for n in sg.graph.nodes if n.op == "placeholder"]
     n_p, n_b, n_c, n_d = len(stage.params), len(stage.buffers), len(stage.constants), len(stage.data)
-    keys = ([param_key(f) for f in stage.params] + [buffer_key(f) for f in stage.buffers]
-            + [const_key(c) for c in stage.constants] + [data_key(d) for d in stage.data]
-            + [input_key(i) for i in stage.inputs])
-    assert len(keys) == len(phs)
+    arg_keys = ([keys.param(f) for f in stage.params] + [keys.buffer(f) for f in stage.buffers]
+                + [keys.const(c) for c in stage.constants] + [keys.data(d) for d in stage.data]
+                + [keys.input(i) for i in stage.inputs])
+    assert len(arg_keys) == len(phs)
     trainable = set(stage.params) if trainable is None else trainable
     out_names = _output_names(stage)
     vals = [p.meta["val"] for p in phs]
@@ -229,7 +93,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
 
     j_phs = [n for n in joint.graph.nodes if n.op == "placeholder"]
     names: dict[fx.Node, str] = {}
-    for n, k in zip(j_phs, keys + [grad_key(out_names[i]) for i in grad_candidates]):
+    for n, k in zip(j_phs, arg_keys + [keys.grad(out_names[i]) for i in grad_candidates]):
         names[n] = k
     diff_outputs = tuple(out_names[i] for i in record["diff"])
     assert diff_outputs == differentiable_outputs(stage, input_requires_grad, trainable), \
@@ -265,7 +129,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     order = {n: k for k, n in enumerate(joint.graph.nodes)}
 
     def key_of(n: fx.Node) -> str:
-        return names.get(n) or f"saved:{n.name}"
+        return names.get(n) or keys.saved(n.name)
 
     def used_from_outside(region: set, results: list) -> list[fx.Node]:
         need = []
@@ -285,11 +149,11 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     f_saved = sorted(from_f, key=order.__getitem__)
     i_saved = [n for n in used_from_outside(w_nodes, gpar_nodes) if n in i_nodes]
 
-    fwd_keys = [f"out:{nm}" if k < len(stage.outputs) else nm for k, nm in enumerate(out_names)]
+    fwd_keys = [keys.out(nm) if k < len(stage.outputs) else nm for k, nm in enumerate(out_names)]
     f_prog = _extract(joint, f_nodes, fwd_outs + f_saved, key_of, used_from_outside(f_nodes, fwd_outs),
                       fwd_keys + [key_of(n) for n in f_saved], f"stage{stage.index}_F")
-    gin_keys = [f"gin:{nm}" for nm in grad_inputs]
-    gpar_keys = [f"gparam:{f}" for f in grad_params]
+    gin_keys = [keys.gin(nm) for nm in grad_inputs]
+    gpar_keys = [keys.gparam(f) for f in grad_params]
     i_prog = _extract(joint, i_nodes, gin_nodes + i_saved, key_of, used_from_outside(i_nodes, gin_nodes),
                       gin_keys + [key_of(n) for n in i_saved], f"stage{stage.index}_I")
     w_prog = _extract(joint, w_nodes, gpar_nodes, key_of, used_from_outside(w_nodes, gpar_nodes),
@@ -298,19 +162,40 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
                       gin_keys + gpar_keys, f"stage{stage.index}_B")
     if recompute:
         for prog in (i_prog, w_prog, b_prog):
-            bad = [k for k in prog.args if k.startswith("saved:")]
+            bad = [k for k in prog.args if keys.is_kind(k, keys.SAVED)]
             assert not bad or prog is w_prog, f"recompute stage reads saved forward values {bad}"
 
     saved_f = sum(value_bytes(n.meta.get("val")) for n in f_saved)
-    saved_after_i = sum(_key_bytes(w_prog, k) for k in w_prog.args if _is_local_key(k))
     return StageProgram(
         stage=stage, f=f_prog, i=i_prog, w=w_prog, b=b_prog,
         diff_outputs=diff_outputs, grad_inputs=grad_inputs, grad_params=grad_params,
         input_strides={name: tuple(v.stride()) for name, v in zip(stage.inputs, vals[len(phs) - len(stage.inputs):])},
-        saved_bytes=saved_f, saved_bytes_after_i=saved_after_i, recompute=recompute, joint=joint,
-        regions={"F": frozenset(n.name for n in f_nodes), "I": frozenset(n.name for n in i_nodes),
-                 "W": frozenset(n.name for n in w_nodes)},
+        saved_bytes=saved_f, recompute=recompute, joint=joint,
     )
+
+
+def stage_programs(stages: list[StageGraph], trainable: set[str], held=None, recompute=(),
+                   stop_after: int | None = None) -> list[StageProgram | StageInfo]:
+    """Every stage's programs, in stage order: ``split_backward`` for the stages in ``held``
+    (default all; a set of indices, or a predicate ``held(stage, input_requires_grad)``), a
+    ``StageInfo`` (which outputs carry a gradient: one fake forward) for the others. Stage s's
+    inputs carry a gradient where stage s-1's differentiable outputs do.
+    ``recompute``: the stage indices whose F keeps only its inputs. ``stop_after``: stop once
+    that many held stages are split (the rest of the list is left out)."""
+    out: list[StageProgram | StageInfo] = []
+    requires: dict[str, bool] = {}
+    split = 0
+    for st in stages:
+        if held is None or (held(st, requires) if callable(held) else st.index in held):
+            prog = split_backward(st, requires, trainable, recompute=st.index in recompute)
+            split += 1
+        else:
+            prog = StageInfo(st, differentiable_outputs(st, requires, trainable))
+        out.append(prog)
+        requires = {name: True for name in prog.diff_outputs}
+        if stop_after is not None and split >= stop_after:
+            break
+    return out
 
 
 def differentiable_outputs(stage: StageGraph, input_requires_grad: dict[str, bool],
@@ -327,14 +212,14 @@ def differentiable_outputs(stage: StageGraph, input_requires_grad: dict[str, boo
 
 
 def _output_names(stage: StageGraph) -> list[str]:
-    return list(stage.outputs) + [f"update:{f}" for f in stage.buffer_updates] + ([LOSS] if stage.has_loss else [])
+    return list(stage.outputs) + [keys.update(f) for f in stage.buffer_updates] + ([keys.LOSS] if stage.has_loss else [])
 
 
 def _grad_candidates(stage: StageGraph) -> list[int]:
     """Output positions that may carry a gradient: float activations and the loss, never buffer updates."""
     names = _output_names(stage)
     return [i for i in range(len(names))
-            if (i < len(stage.outputs) or names[i] == LOSS) and _is_float(_out_val(stage.gm, i))]
+            if (i < len(stage.outputs) or names[i] == keys.LOSS) and _is_float(_out_val(stage.gm, i))]
 
 
 def _trace_args(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str]) -> list:
@@ -351,13 +236,6 @@ def _trace_args(stage: StageGraph, input_requires_grad: dict[str, bool], trainab
             v = v.requires_grad_(True)
         args.append(v)
     return args
-
-
-def _key_bytes(prog: Program, key: str) -> int:
-    for n, k in zip((n for n in prog.gm.graph.nodes if n.op == "placeholder"), prog.args):
-        if k == key:
-            return n.meta.get("autopar_bytes", 0)
-    return 0
 
 
 def _out_val(gm: fx.GraphModule, i: int):

@@ -377,8 +377,9 @@ class _UnitTimer:
             return x[:b1] if b1 <= batch0 else torch.cat([x] * -(-b1 // batch0))[:b1]
 
         def build():
+            from autopar.passes import keys
             from autopar.passes.capture import capture
-            from autopar.passes.split_backward import differentiable_outputs, split_backward
+            from autopar.passes.split_backward import stage_programs
 
             ins, tgt = tuple(resize(x) for x in inputs), resize(target)
             try:
@@ -389,22 +390,14 @@ class _UnitTimer:
                 return None
             if labels1 != labels:
                 return None
-            trainable = set(cap.params.values())
             wanted = {st.index for _sp, st in self.units}
-            needs, progs = {}, {}
-            for st in stages:
-                irg = {n: needs.get(n, False) for n in st.inputs}
-                if st.index in wanted:
-                    progs[st.index] = (split_backward(st, irg, trainable), st)
-                needs = {o: (o in differentiable_outputs(st, irg, trainable)) for o in st.outputs}
-                if len(progs) == len(wanted):
-                    break
+            progs = stage_programs(stages, set(cap.params.values()), held=wanted, stop_after=len(wanted))
             state = dict(self.state)
-            state.update({f"const:{n}": c for n, c in cap.constants.items()})
+            state.update(keys.state({}, {}, cap.constants))
             data = dict(zip(cap.inputs, ins))
             if cap.target is not None:
                 data[cap.target] = tgt
-            return [progs[st.index] for _sp, st in self.units], state, data, b1 / batch0
+            return [(progs[st.index], stages[st.index]) for _sp, st in self.units], state, data, b1 / batch0
 
         self._second = build
 
@@ -419,7 +412,7 @@ class _UnitTimer:
             self.budget_s, self.rounds = saved
 
     def _env(self, sp, stage, data: dict) -> dict:
-        from autopar.passes.split_backward import LOSS
+        from autopar.passes import keys
 
         phs = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
         out_node = next(n for n in stage.gm.graph.nodes if n.op == "output")
@@ -433,16 +426,18 @@ class _UnitTimer:
 
         env = {}
         for k in set(sp.f.args) | set(sp.i.args) | set(sp.w.args):
-            if k.startswith("data:"):
-                env[k] = data[k[5:]]
-            elif k.startswith("in:"):
-                env[k] = fresh(phs[k[3:]], contiguous=False)
-            elif k.startswith("grad:"):
-                name = k[5:]
-                env[k] = torch.tensor(1.0) if name == LOSS else fresh(out_vals[name].meta["val"], contiguous=True)
+            if keys.is_kind(k, keys.DATA):
+                env[k] = data[keys.name_of(k, keys.DATA)]
+            elif keys.is_kind(k, keys.INPUT):
+                env[k] = fresh(phs[keys.name_of(k, keys.INPUT)], contiguous=False)
+            elif keys.is_kind(k, keys.GRAD):
+                name = keys.name_of(k, keys.GRAD)
+                env[k] = torch.tensor(1.0) if name == keys.LOSS else fresh(out_vals[name].meta["val"], contiguous=True)
         return env
 
     def _measure(self, reuse: bool = False) -> list[tuple]:
+        from autopar.runtime.execute import run
+
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -460,11 +455,11 @@ class _UnitTimer:
                 for j, ((sp, _stage, state, _data), env0) in enumerate(zip(jobs, envs)):
                     env = dict(env0)
                     t0 = time.perf_counter()
-                    sp.f(env, state)
+                    run(sp.f, env, state)
                     t1 = time.perf_counter()
-                    sp.i(env, state)
+                    run(sp.i, env, state)
                     t2 = time.perf_counter()
-                    sp.w(env, state)
+                    run(sp.w, env, state)
                     t3 = time.perf_counter()
                     if rnd:  # the first round warms up
                         samples[j].append((t1 - t0, t2 - t1, t3 - t2))
@@ -480,22 +475,22 @@ class _UnitTimer:
 
 
 def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None) -> UnitKind:
+    from autopar.passes import keys
     from autopar.passes.costs import value_bytes
 
-    state_keys = ("param:", "buffer:", "const:")
     f_state = {n.name for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
-               if k.startswith(state_keys)}
+               if keys.is_state(k)}
     f_out = next(n for n in sp.f.gm.graph.nodes if n.op == "output")
-    saved_nodes = [v for v, k in zip(f_out.args[0], sp.f.results) if k.startswith("saved:")]
+    saved_nodes = [v for v, k in zip(f_out.args[0], sp.f.results) if keys.is_kind(k, keys.SAVED)]
     # stage inputs that I, W or B read stay in the microbatch env after F, like saved values
     later = set(sp.i.args) | set(sp.w.args) | set(sp.b.args)
     kept_inputs = [n for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
-                   if k.startswith("in:") and k in later]
+                   if keys.is_kind(k, keys.INPUT) and k in later]
     saved = _storage_bytes(saved_nodes + kept_inputs, f_state)
     w_phs = [n for n in sp.w.gm.graph.nodes if n.op == "placeholder"]
-    w_state = {n.name for n, k in zip(w_phs, sp.w.args) if k.startswith(state_keys)}
-    after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not k.startswith(state_keys)
-                              and not k.startswith("grad:")], w_state)
+    w_state = {n.name for n, k in zip(w_phs, sp.w.args) if keys.is_state(k)}
+    after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not keys.is_state(k)
+                              and not keys.is_kind(k, keys.GRAD)], w_state)
     phs = [n for n in stage.gm.graph.nodes if n.op == "placeholder"]
     vals = {n.name: n.meta.get("val") for n in phs}
     n_state = len(stage.params)
@@ -522,7 +517,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     # dispatch: the largest expert input buffer of the unit, sent out and combined back once per MoE
     # transient: the backward's intermediates (and input gradients) without the parameter
     # gradients it returns; the forward's rise above what it leaves behind (saved + outputs)
-    b_peak, _ = _live_set(sp.b.gm, sp.b.results, skip=("gparam:",))
+    b_peak, _ = _live_set(sp.b.gm, sp.b.results, skip=(keys.GPARAM,))
     f_peak, f_end = _live_set(sp.f.gm, sp.f.results)
     return UnitKind(kind=label, f=_program(sp.f.gm), i=_program(sp.i.gm), w=_program(sp.w.gm),
                     saved_bytes=saved, saved_after_i=after_i,
@@ -573,8 +568,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
     stands for (presets are built with one block per kind); blocks not named stand for one.
     """
+    from autopar.passes import keys
     from autopar.passes.capture import capture
-    from autopar.passes.split_backward import differentiable_outputs, split_backward
+    from autopar.passes.program import StageProgram
+    from autopar.passes.split_backward import stage_programs
 
     say = progress or (lambda msg: None)
     if not isinstance(inputs, (tuple, list)):
@@ -595,7 +592,6 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     cuts, labels, stages = _units_of(captured)
     t1 = time.perf_counter()
     trainable = set(captured.params.values())
-    needs = {}
     kinds: dict[tuple, UnitKind] = {}
     unit_kinds = []
     is_expert = (lambda fqn: any(p in fqn for p in expert_prefixes)) if expert_prefixes else (lambda fqn: False)
@@ -605,19 +601,24 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     timer = _UnitTimer(state, data)
     if real:
         timer.second_batch(model, inputs, target, loss_fn, batch0, labels)
-        state.update({f"param:{f}": p for f, p in model.named_parameters(remove_duplicate=False)})
-        state.update({f"buffer:{f}": b for f, b in model.named_buffers()})
-        state.update({f"const:{n}": c for n, c in captured.constants.items()})
+        state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
+                                captured.constants))
         data.update(zip(captured.inputs, inputs))
         if captured.target is not None:
             data[captured.target] = target
-    for st, label in zip(stages, labels):
-        irg = {name_: needs.get(name_, False) for name_ in st.inputs}
-        sig = (_signature(st), tuple(irg[name_] for name_ in st.inputs))
-        diff = differentiable_outputs(st, irg, trainable)
-        needs = {o: (o in diff) for o in st.outputs}
-        if sig not in kinds:
-            sp = split_backward(st, irg, trainable)
+    sigs: dict[int, tuple] = {}  # unit -> its signature
+    seen: set[tuple] = set()
+
+    def first_of_its_kind(st, requires: dict) -> bool:
+        """Units with identical graphs and input gradients share one joint trace."""
+        sig = sigs[st.index] = (_signature(st), tuple(requires.get(n, False) for n in st.inputs))
+        new = sig not in seen
+        seen.add(sig)
+        return new
+
+    for st, label, sp in zip(stages, labels, stage_programs(stages, trainable, held=first_of_its_kind)):
+        sig = sigs[st.index]
+        if isinstance(sp, StageProgram):
             kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
                                     measure=timer.add(sp, st) if real else None)
         unit_kinds.append(kinds[sig])

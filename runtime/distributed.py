@@ -4,11 +4,10 @@ Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one p
 replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by tagged isend/irecv; a receive is posted where
 the lowered schedule puts its RECV and waited on just before the compute that reads it;
 sends complete in the background and are waited on at the end of the step. After the last
-action: tied parameters' gradients are summed over the pipeline ranks that hold them, then
-every gradient is summed over the dp*cp replicas (each microbatch loss was already scaled by
-1/(dp*m*cp), so the sum is the average: divided once): bucketed all-reduce, or ZeRO-2/3
-reduce-scatter from flat buffers (runtime/sharded.py); expert-sharded parameters (EP) are
-summed over the replicas holding the same experts.
+action: tied parameters' gradients are summed over the pipeline ranks that hold them
+(parallel/pipeline.py), then the data-parallel owner (parallel/data.py) finishes its
+reduction over the dp*cp replicas (each microbatch loss was already scaled by 1/(dp*m*cp), so
+the sum is the average: divided once).
 """
 from __future__ import annotations
 
@@ -17,10 +16,12 @@ from datetime import timedelta
 
 import torch
 
-from autopar.passes.split_backward import LOSS, StageInfo, StageProgram
+from autopar.passes import keys
+from autopar.passes.program import StageInfo, StageProgram
 
 from . import comms
-from .grad_reduce import BucketedReducer, naive_all_reduce
+from .actions import interpret
+from .codegen import compile_step, generate_source
 from .mesh import Mesh
 from .stage_work import StageWork
 from .streams import CommStream
@@ -31,60 +32,39 @@ class PeerTimeout(RuntimeError):
 
 
 class DistributedPipeline:
-    """Runs this rank's lowered actions; same results as LocalPipeline for the same schedule."""
+    """Runs this rank's lowered actions; same results as LocalPipeline for the same schedule.
+
+    ``data_parallel`` (parallel/data.DataParallel) reduces the gradients over the replicas and
+    may have rewritten the programs (ZeRO-3); ``pipeline`` (parallel/pipeline.PipelineParallel)
+    sums tied parameters over their pipeline holders. ``generated``: run the generated
+    straight-line step (runtime/codegen.py) instead of interpreting the action list.
+    """
 
     def __init__(self, programs: list[StageProgram | StageInfo], schedule, lowered, state: dict,
-                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device,
-                 grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20, zero: int = 0,
-                 expert_params: frozenset[str] = frozenset()):
-        if grad_reduce not in ("bucketed", "naive"):
-            raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"autopar: zero must be 0, 1, 2 or 3, got {zero!r}")
+                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device, *,
+                 data_parallel, pipeline, generated: bool = True, comm: CommStream | None = None):
         self.schedule = schedule
         self.lowered = lowered
         self.mesh = mesh
         self.timeout = timeout
         self.device = device
-        self.comm = CommStream(device)  # CUDA: P2P and bucket reductions on a side stream
+        self.comm = comm if comm is not None else CommStream(device)  # CUDA: P2P and reductions on a side stream
         self.owner = schedule.stage_to_rank
         self.my_stages = [s for s in range(schedule.num_stages) if self.owner[s] == mesh.pp_rank]
         self.params = params
-        self.my_params = sorted({f for s in self.my_stages for f in programs[s].grad_params})
-        self.zero = zero if mesh.replicas > 1 else 0
-        self.grad_reduce = grad_reduce
-        replicated = [f for f in self.my_params if f not in expert_params]
-        self.expert_params = [f for f in self.my_params if f in expert_params]
-        self.sharded = None
-        if self.zero >= 2:
-            from .sharded import ShardedParameters, stream_parameters
-
-            self.sharded = ShardedParameters(
-                params, {s: [f for f in programs[s].grad_params if f in replicated] for s in self.my_stages},
-                self.zero, mesh.replica_group, mesh.replicas, mesh.replica, mesh.tied_groups, timeout)
-            if self.zero == 3:
-                programs = list(programs)
-                for s in self.my_stages:
-                    programs[s] = stream_parameters(programs[s], self.sharded)
-            replicated = []
+        self.dp = data_parallel
+        self.pipeline = pipeline
         self.programs = programs
         self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state, params,
-                              grad_sink=self.sharded.accumulate if self.sharded is not None else None)
+                              grad_sink=data_parallel.grad_sink)
         self.executed: list[str] = []
         self.position = "not started"
         self.step_index = 0
         self._m = schedule.num_microbatches
-        # (names, group) of the plain (not ZeRO-2/3) reductions: zero 1 reduce-scatters in its optimizer
-        self._replicated = replicated if self.zero != 1 else []
-        self.reducers = []
-        if grad_reduce == "bucketed":
-            for names, group, size in ((self._replicated, mesh.replica_group, mesh.replicas),
-                                       (self.expert_params, mesh.expert_group, mesh.replicas // mesh.ep)):
-                if names and size > 1:
-                    self.reducers.append(BucketedReducer(
-                        params, {s: [f for f in programs[s].grad_params if f in names] for s in self.my_stages},
-                        group, bucket_bytes, deferred=set(mesh.tied_groups), comm=self.comm))
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
+        if generated:
+            self.program = compile_step(generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank,
+                                                        mesh.pp_rank))
         self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
         # gloo (CPU): receives from each peer, in the order the lowered program posts them. A
@@ -117,10 +97,7 @@ class DistributedPipeline:
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
         self.work.begin(microbatches, loss_scale)
         self._wb_done: dict[int, int] = {}
-        for reducer in self.reducers:
-            reducer.reset()
-        if self.sharded is not None:
-            self.sharded.begin_step()
+        self.dp.begin_step()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
         self._posted: set[tuple[str, int, int]] = set()  # this step's receives, consumed or not
         self._sends: list = []
@@ -132,7 +109,7 @@ class DistributedPipeline:
             if self.program is not None:
                 self.program(self)
             else:
-                interpret(self, self.lowered.actions[self.mesh.pp_rank])
+                interpret(self, self.lowered.actions[self.mesh.pp_rank], self.owner, self.mesh.pp_rank)
             assert not self._pending, f"receives never consumed: {sorted(self._pending)}"
             self.at("waiting for sends to finish")
             for w, _t in self._sends:
@@ -266,32 +243,14 @@ class DistributedPipeline:
     # -- gradient and loss reduction --------------------------------------------------------------
 
     def _sync_grads(self) -> None:
-        for fqn, group in self.mesh.tied_groups.items():
-            if self.sharded is not None and fqn in self.sharded.group_of:
-                continue  # summed over its holders inside the flat buffer
-            p = self.params[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            comms.all_reduce_sum(p.grad, group=group)
-        if self.sharded is not None:
-            self.sharded.finish()
-        if self.grad_reduce == "bucketed":
-            for reducer in self.reducers:
-                reducer.finish(self.timeout)
-        else:
-            if self.mesh.replicas > 1:
-                naive_all_reduce(self.params, self._replicated, self.mesh.replica_group)
-            if self.mesh.replicas // self.mesh.ep > 1:
-                naive_all_reduce(self.params, self.expert_params, self.mesh.expert_group)
+        self.pipeline.sum_tied_gradients(self.params, skip=self.dp.sums_tied)
+        self.dp.finish()
 
     def _stage_progress(self, s: int) -> None:
         """Count a finished W/B of stage s; after the last one its gradients can be reduced."""
         self._wb_done[s] = self._wb_done.get(s, 0) + 1
         if self._wb_done[s] == self._m:
-            for reducer in self.reducers:
-                reducer.stage_done(s)
-            if self.sharded is not None:
-                self.sharded.stage_done(s)
+            self.dp.stage_done(s)
 
     def _broadcast_loss(self, local: torch.Tensor | None) -> torch.Tensor:
         last_rank = self.owner[-1]
@@ -304,33 +263,6 @@ class DistributedPipeline:
         return loss
 
 
-def interpret(rt: DistributedPipeline, actions) -> None:
-    """The oracle: walk the lowered action list, calling the primitives in order."""
-    owner, me = rt.owner, rt.mesh.pp_rank
-    for a in actions:
-        s, k, t = a.stage, a.microbatch, a.type
-        if t == "RECV_F":
-            rt.recv_f(s, k)
-        elif t == "RECV_B":
-            rt.recv_b(s, k)
-        elif t == "SEND_F":
-            rt.send_f(s, k)
-        elif t == "SEND_B":
-            rt.send_b(s, k)
-        elif t == "F":
-            if s > 0 and owner[s - 1] != me:
-                rt.wait_f(s, k)
-            rt.forward(s, k)
-        elif t in ("I", "B"):
-            if s + 1 < len(owner) and owner[s + 1] != me:
-                rt.wait_b(s, k)
-            rt.backward(s, k, t)
-        elif t == "W":
-            rt.weight(s, k)
-        else:
-            raise ValueError(f"autopar: unknown action {a}")
-
-
 def _input_specs(prog: StageProgram) -> dict[str, tuple]:
     phs = {n.name: n for n in prog.stage.gm.graph.nodes if n.op == "placeholder"}
     return {name: (tuple(phs[name].meta["val"].shape), phs[name].meta["val"].dtype) for name in prog.stage.inputs}
@@ -339,4 +271,4 @@ def _input_specs(prog: StageProgram) -> dict[str, tuple]:
 def _grad_specs(prog: StageProgram) -> dict[str, tuple]:
     out = next(n for n in prog.stage.gm.graph.nodes if n.op == "output")
     vals = {name: node.meta["val"] for name, node in zip(prog.stage.outputs, out.args[0])}
-    return {name: (tuple(vals[name].shape), vals[name].dtype) for name in prog.diff_outputs if name != LOSS}
+    return {name: (tuple(vals[name].shape), vals[name].dtype) for name in prog.diff_outputs if name != keys.LOSS}

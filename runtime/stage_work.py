@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from autopar.passes.split_backward import LOSS, StageProgram, grad_key, input_key
+from autopar.passes import keys
+from autopar.passes.program import StageProgram
+
+from .execute import run
 
 
 class StageWork:
@@ -24,7 +27,7 @@ class StageWork:
         self._scale = None
         # grad_sink(fqn, grad) -> True when it took the gradient (ZeRO-2/3 flat buffers)
         self.grad_sink = grad_sink
-        self._grad_keys = {s: tuple(f"gparam:{fqn}" for fqn in prog.grad_params) for s, prog in programs.items()}
+        self._grad_keys = {s: tuple(keys.gparam(fqn) for fqn in prog.grad_params) for s, prog in programs.items()}
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> None:
         """Start a step: data keys for every held stage and microbatch, the loss tangent."""
@@ -34,30 +37,30 @@ class StageWork:
         self._scale = None
         for k, mb in enumerate(microbatches):
             for s, prog in self.programs.items():
-                self.envs[s, k] = {f"data:{name}": mb[name] for name in prog.stage.data}
+                self.envs[s, k] = {keys.data(name): mb[name] for name in prog.stage.data}
 
     # -- compute ---------------------------------------------------------------------------
 
     def forward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.f(env, self.state, keep=prog.keys_after("F"))
+        run(prog.f, env, self.state, keep=prog.keys_after("F"))
         for fqn in prog.stage.buffer_updates:
             with torch.no_grad():
-                self.state[f"buffer:{fqn}"].copy_(env.pop(f"update:{fqn}"))
+                self.state[keys.buffer(fqn)].copy_(env.pop(keys.update(fqn)))
         if prog.stage.has_loss:
-            loss = env.pop(LOSS)
+            loss = env.pop(keys.LOSS)
             self.losses[k] = loss
             if self._scale is None:
                 self._scale = torch.full((), self._loss_scale, dtype=loss.dtype, device=loss.device)
-            env[grad_key(LOSS)] = self._scale
-        outputs = {name: env.pop(f"out:{name}") for name in prog.stage.outputs}
+            env[keys.grad(keys.LOSS)] = self._scale
+        outputs = {name: env.pop(keys.out(name)) for name in prog.stage.outputs}
         _release(env, prog.keys_after("F"))
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
 
     def input_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        prog.i(env, self.state, keep=prog.keys_after("I"))
-        gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
+        run(prog.i, env, self.state, keep=prog.keys_after("I"))
+        gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, prog.keys_after("I") | {"__outputs__"})
         env["__gin__"] = gin
 
@@ -69,7 +72,7 @@ class StageWork:
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
         self._gradients(s, prog.b, env)
-        gin = {name: env.pop(f"gin:{name}") for name in prog.grad_inputs}
+        gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, frozenset({"__outputs__"}))
         env["__gin__"] = gin
 
@@ -80,7 +83,7 @@ class StageWork:
         flat buffers), the fresh gradients go to the sink."""
         prog = self.programs[s]
         if self.grad_sink is not None:
-            program(env, self.state, keep=_NOTHING)
+            run(program, env, self.state, keep=_NOTHING)
             self._accumulate(prog, env)
             return
         into = []
@@ -89,12 +92,12 @@ class StageWork:
             if p.grad is None:
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
             into.append(p.grad)
-        program(env, self.state, self._grad_keys[s], into, keep=_NOTHING)
+        run(program, env, self.state, self._grad_keys[s], into, keep=_NOTHING)
 
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
         """Fresh gradients into the grad_sink, or (parameters it does not take) into .grad."""
         for fqn in prog.grad_params:
-            g = env.pop(f"gparam:{fqn}")
+            g = env.pop(keys.gparam(fqn))
             if self.grad_sink(fqn, g):
                 continue
             p = self.params[fqn]
@@ -117,12 +120,12 @@ class StageWork:
         strides = self.programs[s].input_strides
         env = self.envs[s, k]
         for name, t in values.items():
-            env[input_key(name)] = with_strides(t, strides[name])
+            env[keys.input(name)] = with_strides(t, strides[name])
 
     def put_grads(self, s: int, k: int, values: dict[str, torch.Tensor]) -> None:
         env = self.envs[s, k]
         for name, g in values.items():
-            env[grad_key(name)] = g.contiguous()
+            env[keys.grad(name)] = g.contiguous()
 
     def total_loss(self) -> torch.Tensor | None:
         """Sum over microbatches of loss * scale, in microbatch order (None off the last stage)."""

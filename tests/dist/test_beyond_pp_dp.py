@@ -42,13 +42,14 @@ def _train_many(rank, world, subcases):
             pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=opt,
                                      plan=autopar.Plan(**plan), example_target=case.target)
             losses = [pm.step(case.inputs, case.target) for _ in range(2)]
-            sharded = pm._built.executor.sharded
+            dp = pm.built.parallelisms["dp"]
+            sharded, params = dp.storage, pm.built.params
             zero = None
             if sharded is not None:
                 streamed = [f for g in sharded.groups if g.streamed for f in g.fqns]
                 zero = {"groups": len(sharded.groups), "gathers": sharded.gathers,
                         "overflow": sharded.overflow_gathers,
-                        "freed": all(pm._params[f].data.numel() == 0 for f in streamed),
+                        "freed": all(params[f].data.numel() == 0 for f in streamed),
                         "streamed": len(streamed)}
             state = {k: v.clone() for k, v in pm.state_dict().items()}
             # load_state_dict re-shards (ZeRO-3 shards and resident group, expert shards): after a
@@ -58,7 +59,7 @@ def _train_many(rank, world, subcases):
             reloaded = pm.step(case.inputs, case.target)
             out.append({"losses": losses, "state": state, "zero": zero, "reloaded_loss": reloaded,
                         "freed_after_state_dict": zero is None or all(
-                            pm._params[f].data.numel() == 0 for g in sharded.groups if g.streamed for f in g.fqns)})
+                            params[f].data.numel() == 0 for g in sharded.groups if g.streamed for f in g.fqns)})
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
             out.append(traceback.format_exc())
     return out

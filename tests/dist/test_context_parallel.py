@@ -67,7 +67,7 @@ def _run_stages(programs, params, state, data, mode: str):
 def _cp_rank(rank, world, cases):
     import torch.distributed as dist
 
-    from autopar.passes import capture, split_backward, split_stages
+    from autopar.passes import capture, keys, split_stages, stage_programs
     from autopar.passes.context_parallel import apply_context_parallel
 
     results = {}
@@ -75,22 +75,15 @@ def _cp_rank(rank, world, cases):
         model, x, y, loss_fn = _case(name)
         s = x.shape[1] // CP
         x_local, y_local = x[:, rank * s:(rank + 1) * s].contiguous(), y[:, rank * s:(rank + 1) * s].contiguous()
-        captured = capture(model, (x_local,), y_local, loss_fn)
-        apply_context_parallel(captured, CP, rank, dist.group.WORLD)
+        captured = apply_context_parallel(capture(model, (x_local,), y_local, loss_fn), CP, rank, dist.group.WORLD)
         captured.gm.graph.lint()
         collectives = sum(1 for n in captured.gm.graph.nodes if "all_to_all" in str(n.target))
         params = dict(model.named_parameters())
         trainable = set(params)
-        state = {f"param:{f}": p for f, p in params.items()}
-        state.update({f"buffer:{f}": b for f, b in model.named_buffers()})
-        state.update({f"const:{c}": t for c, t in captured.constants.items()})
+        state = keys.state(params, dict(model.named_buffers()), captured.constants)
         data = {captured.inputs[0]: x_local, captured.target: y_local}
         for num_stages in stage_counts:
-            stages = split_stages(captured, num_stages)
-            programs, requires = [], {}
-            for st in stages:
-                programs.append(split_backward(st, requires, trainable))
-                requires = {n: True for n in programs[-1].diff_outputs}
+            programs = stage_programs(split_stages(captured, num_stages), trainable)
             # where the backward all-to-alls went: I of every stage with a differentiable input
             i_collectives = [sum(1 for n in p.i.gm.graph.nodes if "all_to_all" in str(n.target)) for p in programs]
             for mode in ("B", "IW"):
@@ -273,7 +266,9 @@ def test_rewrite_keeps_fx_contract(fake_group):
     captured = _capture_local(model, x, y, loss_fn, 2, rank=1)
     attn_before = [n for n in captured.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
     consumers = {u.name: tuple(n.meta["val"].stride()) for n in attn_before for u in n.users}
-    apply_context_parallel(captured, 2, 1, fake_group(2, rank=1))
+    before = captured.gm.code
+    captured = apply_context_parallel(captured, 2, 1, fake_group(2, rank=1))
+    assert captured.gm.code != before
     graph = captured.gm.graph
     graph.lint()
     for n in graph.nodes:

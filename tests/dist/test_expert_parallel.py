@@ -122,7 +122,7 @@ def _sub_eager(rank, world, net_full, refs, x, t):
 def _sub_captured(rank, world, net_full, refs, x, t):
     import copy
 
-    from autopar.passes import capture, split_backward, split_stages
+    from autopar.passes import capture, keys, split_backward, split_stages
     from autopar.passes.expert_parallel import apply_expert_parallel
     from autopar.runtime.stage_work import StageWork
 
@@ -142,9 +142,7 @@ def _sub_captured(rank, world, net_full, refs, x, t):
     assert counts == {"captured": 2, "joint": 4, "F": 2, "B": 2, "I": 0, "W": 2}, counts
 
     params = dict(net.named_parameters())
-    state = {f"param:{fqn}": p for fqn, p in params.items()}
-    state.update({f"buffer:{fqn}": b for fqn, b in net.named_buffers()})
-    state.update({f"const:{name}": c for name, c in captured.constants.items()})
+    state = keys.state(params, dict(net.named_buffers()), captured.constants)
     work = StageWork({0: prog}, 1, state, params)
     data = dict(zip(captured.inputs, (x,)))
     data[captured.target] = t

@@ -14,7 +14,8 @@ import torch.fx as fx
 
 import autopar
 from autopar.passes.exec_code import _MASKED, compile_for_execution, simplify
-from autopar.passes.split_backward import Program
+from autopar.passes.program import Program
+from autopar.runtime import execute
 from tests.models import make_cnn_bn, make_gpt
 
 aten = torch.ops.aten
@@ -27,13 +28,13 @@ def _recorded_programs(case, monkeypatch):
                              optimizer=functools.partial(torch.optim.SGD, lr=0.1),
                              plan=autopar.Plan(pp=2, schedule="1f1b", num_microbatches=2), example_target=case.target)
     seen = {}
-    original = Program.__call__
+    original = execute.run
 
-    def recording(self, env, state, accumulate=(), into=None, keep=None):
-        seen.setdefault(id(self), (self, [env[k] if k in env else state[k] for k in self.args]))
-        return original(self, env, state, accumulate, into, keep)
+    def recording(prog, env, state, accumulate=(), into=None, keep=None):
+        seen.setdefault(id(prog), (prog, [env[k] if k in env else state[k] for k in prog.args]))
+        return original(prog, env, state, accumulate, into, keep)
 
-    monkeypatch.setattr(Program, "__call__", recording)
+    monkeypatch.setattr("autopar.runtime.stage_work.run", recording)
     pm.step(case.inputs, case.target)
     monkeypatch.undo()
     return pm, list(seen.values())
@@ -134,14 +135,14 @@ def test_program_recompiles_after_its_module_changes():
     gm = fx.GraphModule(torch.nn.Module(), g)
     prog = Program(gm=gm, args=("k",), results=("r",))
     env = {"k": torch.ones(2)}
-    prog(env, {})
+    execute.run(prog, env, {})
     assert torch.equal(env["r"], -torch.ones(2))
     node = next(n for n in gm.graph.nodes if n.op == "call_function")
     node.target = aten.exp.default
     gm.recompile()
-    prog(env, {})
+    execute.run(prog, env, {})
     assert torch.equal(env["r"], torch.ones(2).exp())
-    assert operator.is_(prog.executable(), prog.executable())
+    assert operator.is_(execute.executable(prog), execute.executable(prog))
 
 
 @pytest.mark.parametrize("make", [make_gpt, make_cnn_bn], ids=["gpt", "cnn_bn"])
@@ -154,7 +155,7 @@ def test_accumulating_programs_add_into_the_given_tensors(make, monkeypatch):
         if not type(prog.gm).__name__.endswith("_B"):
             continue
         keys = tuple(k for k in prog.results if k.startswith("gparam:"))
-        fn = prog.executable(keys)
+        fn = execute.executable(prog, keys)
         with torch.no_grad():
             fresh = prog.gm(*args)
             gen = torch.Generator().manual_seed(0)
@@ -184,15 +185,15 @@ def test_step_accumulates_in_place_over_microbatches(monkeypatch):
     pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
                              plan=autopar.Plan(pp=2, schedule="1f1b", num_microbatches=4), example_target=case.target)
     created = {}
-    original = Program.__call__
+    original = execute.run
 
-    def watching(self, env, state, accumulate=(), into=None, keep=None):
+    def watching(prog, env, state, accumulate=(), into=None, keep=None):
         for k, t in zip(accumulate, into or ()):
             created.setdefault(k, t)
             assert created[k] is t, f"{k}: the accumulator was replaced"
-        return original(self, env, state, accumulate, into, keep)
+        return original(prog, env, state, accumulate, into, keep)
 
-    monkeypatch.setattr(Program, "__call__", watching)
+    monkeypatch.setattr("autopar.runtime.stage_work.run", watching)
     loss = pm.step(case.inputs, case.target)
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-7)
     assert created, "no program was given accumulators"
@@ -221,10 +222,10 @@ def test_an_argument_handed_over_is_freed_at_its_last_use():
     env = {"saved:x": torch.ones(4)}
     probe["ref"] = __import__("weakref").ref(env["saved:x"])
     state = {"param:w": torch.full((4,), 3.0)}
-    prog(env, state, keep=frozenset())
+    execute.run(prog, env, state, keep=frozenset())
     assert probe["alive"] is False and "saved:x" not in env
     assert torch.equal(env["r"], torch.full((4,), 4.0))
     env = {"saved:x": torch.ones(4)}
     probe["ref"] = __import__("weakref").ref(env["saved:x"])
-    prog(env, state, keep=frozenset({"saved:x"}))  # a later program still reads it: kept
+    execute.run(prog, env, state, keep=frozenset({"saved:x"}))  # a later program still reads it: kept
     assert probe["alive"] is True and "saved:x" in env

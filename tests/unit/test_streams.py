@@ -36,7 +36,7 @@ def _train_with_transfers(case, schedule: str, device="cpu", steps=2):
                              plan=autopar.Plan(pp=2, schedule=schedule, num_microbatches=4), example_target=target,
                              local_transfers=True)
     losses = [pm.step(inputs, target).item() for _ in range(steps)]
-    executor = pm._built.executor
+    executor = pm.built.executor
     assert executor.transfers is not None and not executor._in_flight  # every copy was consumed
     return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 

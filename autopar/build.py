@@ -1,0 +1,329 @@
+"""The orchestrator: from a model, one global batch and a plan to this process's executor.
+
+``build`` is a flat list of steps, each a function with keyword arguments and one log line:
+
+    plan        the planner's choice when no plan is given (rank 0 decides, every rank takes it)
+    validate    the plan resolved for the batch (microbatch count), checked against the world
+    mesh        every process group (distributed mode only)
+    module      module rewrites before capture (ExpertParallel)
+    capture     model + loss on one microbatch (passes/capture.py)
+    graph       graph rewrites of the capture (ContextParallel)
+    split       pipeline stages (passes/split_stages.py) and the schedule (schedules/)
+    programs    F/I/W/B of this process's stages (passes/split_backward.stage_programs)
+    executor    the step's owners (PipelineParallel, DataParallel: may rewrite the programs,
+                ZeRO-3) and the local or distributed executor (runtime/)
+    optimizer   the user's optimizer, wrapped by the data-parallel owner for its ZeRO level
+
+The planner's profiler (planner/profile.py) uses the same ``stage_programs`` step.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from autopar import schedules
+from autopar.plan import Plan
+
+log = logging.getLogger("autopar")
+
+
+@dataclass
+class Built:
+    """What ``build`` made: the resolved plan, the capture and its stages, this process's
+    programs (as they run), the schedule, the executor and every parallelism owner."""
+
+    plan: Plan
+    captured: object
+    stages: list
+    programs: list
+    schedule: object
+    executor: object
+    params: dict                   # canonical FQN -> Parameter (tied parameters once)
+    microbatch_size: int
+    input_shapes: tuple
+    target_shape: tuple | None
+    mesh: object = None
+    parallelisms: dict = field(default_factory=dict)  # name ("pp", "dp", "cp", "ep") -> owner
+    optimizer: object = None
+    planner_summary: str | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.plan.num_microbatches
+
+
+def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
+          timeout=None, generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
+          local_transfers: bool = False) -> Built:
+    """Every step of ``parallelize`` after its argument checks (see the module docstring)."""
+    batch = batch_size(inputs, target)
+    summary = None
+    if plan is None:
+        plan, summary = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch)
+    plan = validate(plan=plan, batch=batch)
+    mesh = make_mesh(plan=plan, timeout=timeout)
+    owners = rewrite_module(model=model, plan=plan, mesh=mesh, inputs=inputs, target=target)
+    params = unique_params(model)
+    mb = batch // (plan.dp * plan.num_microbatches)
+    cp = owners.get("cp")
+    local = cp.local if cp is not None else (lambda t: t)
+    captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
+                                  target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn)
+    captured = rewrite_graph(captured=captured, owners=owners)
+    stages, schedule = split(captured=captured, plan=plan)
+    trainable = {f for f, p in params.items() if p.requires_grad}
+    programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
+    executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
+                                       schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
+                                       trainable=trainable, timeout=timeout, generated=generated,
+                                       grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
+                                       local_transfers=local_transfers)
+    opt = make_optimizer(factory=optimizer, owners=owners, params=params)
+    return Built(plan=plan, captured=captured, stages=stages, programs=programs, schedule=schedule,
+                 executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
+                 target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
+                 optimizer=opt, planner_summary=summary)
+
+
+# -- the steps --------------------------------------------------------------------------------
+
+
+def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> tuple[Plan, str]:
+    """Ask the planner for this world; rank 0 decides (device profiles are measured per process,
+    so ranks could disagree) and broadcasts the plan."""
+    world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if distributed() else (1, 0)
+    text = None
+    if rank == 0:
+        from autopar.nn import MoE
+        from autopar.planner import plan_model
+        from autopar.planner.devices import current_profile
+        from autopar.planner.report import text as report_text
+        from autopar.planner.search import to_plan
+
+        device = current_profile()
+        limit = float(device.memory_bytes)
+        if device.name == "cpu":  # the ranks' processes share this host's memory
+            limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        t0 = time.perf_counter()
+        # CP is not searched here: the planner knows the head counts, but not whether the CP pass
+        # can rewrite this model (it refuses explicit attention masks, for one), and a chosen
+        # cp > 1 would then fail; set Plan(cp=...). EP is, for models built from autopar.nn.MoE
+        experts = [m.n_experts for m in model.modules() if isinstance(m, MoE)]
+        res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
+                                memory_limit=limit, allow_cp=False, allow_ep=bool(experts),
+                                n_experts=min(experts, default=0), expert_prefixes=("experts.",),
+                                zero_levels=(0, 1, 2, 3), name=type(model).__name__,
+                                progress=lambda msg: log.info("autopar planner: %s", msg))
+        if res.chosen is None:
+            text = "error:" + report_text(res, _info)
+        else:
+            chosen = to_plan(res, res.chosen)
+            est = res.chosen.estimate
+            summary = (f"planner: {res.chosen.layout.label()} on the {device.name} profile, predicted step "
+                       f"{est.step_time * 1e3:.3g} ms, peak memory {max(est.peak_memory) / 2**20:.1f} MiB on the "
+                       f"heaviest rank ({len(res.feasible())} feasible plans priced in {time.perf_counter() - t0:.1f} s)")
+            log.info("autopar: %s; plan %s", summary, chosen.to_json())
+            text = json.dumps({"plan": chosen.to_json(), "summary": summary})
+    if distributed():
+        box = [text]
+        torch.distributed.broadcast_object_list(box, src=0)
+        text = box[0]
+    if text.startswith("error:"):
+        raise ValueError("autopar: no plan fits this world; the planner's report:\n" + text[len("error:"):])
+    data = json.loads(text)
+    return Plan.from_json(data["plan"]), data["summary"]
+
+
+def check_world(plan: Plan) -> None:
+    """ValueError (on every rank, before any communication) when the plan does not fit the
+    process group."""
+    if distributed() and plan.world_size != torch.distributed.get_world_size():
+        world = torch.distributed.get_world_size()
+        raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
+                         f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
+
+
+def validate(*, plan: Plan, batch: int) -> Plan:
+    """The plan with its microbatch count resolved; ValueError (before any communication) when
+    it does not fit the batch or the world."""
+    check_world(plan)
+    if not distributed() and (plan.cp > 1 or plan.ep > 1):
+        raise ValueError(f"autopar: cp={plan.cp}, ep={plan.ep} need one process per rank (they exchange data by "
+                         "all-to-all); launch under torchrun (or `autopar demo --nproc N`), or use cp=1, ep=1")
+    m = plan.num_microbatches or default_microbatches(plan, batch)
+    if batch % (plan.dp * m):
+        raise ValueError(f"autopar: global batch {batch} is not divisible by dp*num_microbatches = "
+                         f"{plan.dp}*{m} = {plan.dp * m}; use a batch that is a multiple of {plan.dp * m} "
+                         "or change num_microbatches")
+    schedules.check(plan.schedule, plan.pp, m, plan.stages_per_rank)
+    plan = replace(plan, num_microbatches=m)
+    log.info("autopar: plan pp=%d dp=%d cp=%d ep=%d %s, %d stages, %d microbatches of %d, ZeRO-%d", plan.pp, plan.dp,
+             plan.cp, plan.ep, plan.schedule, plan.num_stages, m, batch // (plan.dp * m), plan.zero)
+    return plan
+
+
+def make_mesh(*, plan: Plan, timeout):
+    """Every process group of the plan's mesh (None in local mode)."""
+    if not distributed():
+        return None
+    from autopar.runtime.mesh import build_mesh
+
+    mesh = build_mesh(plan.pp, plan.dp, timeout, cp=plan.cp, ep=plan.ep)
+    log.info("autopar: rank %d is %s", mesh.rank, mesh.describe())
+    return mesh
+
+
+def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target) -> dict:
+    """The owners that act before capture: ContextParallel (checks the inputs' sequence
+    length), ExpertParallel (shards the experts of the model in place)."""
+    owners = {}
+    if plan.cp > 1:
+        from autopar.parallel.context import ContextParallel
+
+        owners["cp"] = ContextParallel(cp=plan.cp, mesh=mesh)
+        owners["cp"].check_inputs(inputs, target)
+    if plan.ep > 1:
+        from autopar.parallel.expert import ExpertParallel
+
+        owners["ep"] = ExpertParallel(ep=plan.ep, mesh=mesh)
+        owners["ep"].rewrite_module(model)
+    return owners
+
+
+def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn):
+    from autopar import passes
+
+    t0 = time.perf_counter()
+    captured = passes.capture(model, inputs, target, loss_fn)  # looked up here: tests may memoize it
+    log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
+    return captured
+
+
+def rewrite_graph(*, captured, owners: dict):
+    for owner in owners.values():
+        captured = owner.rewrite_capture(captured)
+    return captured
+
+
+def split(*, captured, plan: Plan):
+    from autopar.passes import split_stages
+
+    t0 = time.perf_counter()
+    stages = split_stages(captured, plan.num_stages, cuts=list(plan.stage_cuts) if plan.stage_cuts else None)
+    schedule = schedules.build(plan.schedule, plan.pp, plan.num_microbatches, stages_per_rank=plan.stages_per_rank)
+    log.info("autopar: split into %d stages (cost %s) in %.2fs; schedule %s", len(stages),
+             ", ".join(f"{s.cost * 1e3:.2f}" for s in stages), time.perf_counter() - t0, schedule.name)
+    return stages, schedule
+
+
+def make_programs(*, stages: list, schedule, plan: Plan, mesh, trainable: set[str]) -> list:
+    """This process traces the joint graphs of its own stages only; for the others it needs
+    just which outputs carry a gradient (one fake forward each). Local mode holds every stage."""
+    from autopar.passes.split_backward import stage_programs
+
+    t0 = time.perf_counter()
+    held = None if mesh is None else set(schedule.stages_of(mesh.pp_rank))
+    programs = stage_programs(stages, trainable, held=held, recompute=plan.recompute)
+    log.info("autopar: split backward into F/I/W for %d of %d stages in %.2fs",
+             len(stages) if held is None else len(held), len(stages), time.perf_counter() - t0)
+    return programs
+
+
+def make_executor(*, model: nn.Module, captured, stages: list, programs: list, schedule, plan: Plan, mesh,
+                  owners: dict, params: dict, trainable: set[str], timeout, generated: bool, grad_reduce: str,
+                  bucket_bytes: int, local_transfers: bool):
+    """The pipeline and data-parallel owners, then the executor; returns it and the programs
+    as it runs them (ZeRO-3 rewrites them)."""
+    from autopar.parallel.pipeline import PipelineParallel
+    from autopar.passes import keys
+    from autopar.runtime.streams import CommStream
+
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    state = keys.state(params, dict(model.named_buffers()), captured.constants)
+    pipeline = PipelineParallel(schedule=schedule, stages=stages, trainable=trainable, aliases=captured.aliases,
+                                mesh=mesh, timeout=timeout)
+    owners["pp"] = pipeline
+    if mesh is None:
+        from autopar.runtime.local import LocalPipeline
+
+        transfers = CommStream(device) if local_transfers else None
+        return LocalPipeline(programs, schedule, state, params, transfers=transfers), programs
+    from autopar.parallel.data import DataParallel
+    from autopar.runtime.distributed import DistributedPipeline
+
+    comm = CommStream(device)
+    mine = pipeline.my_stages
+    dp = DataParallel(zero=plan.zero, mesh=mesh, params=params, stage_params={s: programs[s].grad_params for s in mine},
+                      expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
+                      grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm)
+    owners["dp"] = dp
+    rewritten = dp.rewrite_programs({s: programs[s] for s in mine})
+    programs = [rewritten.get(s, p) for s, p in enumerate(programs)]
+    executor = DistributedPipeline(programs, schedule, schedules.lower(schedule), state, params, mesh, timeout, device,
+                                   data_parallel=dp, pipeline=pipeline, generated=generated, comm=comm)
+    log.info("autopar: rank %d runs stages %s%s", mesh.rank, mine, f", ZeRO-{dp.zero}" if dp.zero else "")
+    return executor, programs
+
+
+def make_optimizer(*, factory, owners: dict, params: dict):
+    """The user's optimizer over what this process trains (None without a factory)."""
+    if factory is None:
+        return None
+    dp = owners.get("dp")
+    if dp is None:  # local mode: every rank's parameters, unsharded
+        return factory([p for p in params.values() if p.requires_grad])
+    return dp.make_optimizer(factory)
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def unique_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Canonical FQN (first name) -> Parameter, tied parameters once."""
+    out, seen = {}, set()
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen:
+            seen.add(id(p))
+            out[fqn] = p
+    return out
+
+
+def batch_size(inputs: tuple, target) -> int:
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"autopar: input {i} is a {type(x).__name__}; pass the model's inputs as a tuple of "
+                             "tensors (one per forward argument)")
+    sizes = {tuple(x.shape[:1]) for x in inputs} | ({tuple(target.shape[:1])} if target is not None else set())
+    if len(sizes) != 1 or () in sizes:
+        shapes = [tuple(x.shape) for x in inputs] + ([tuple(target.shape)] if target is not None else [])
+        raise ValueError(f"autopar: every input and the target must share the batch size in dim 0; got shapes {shapes}")
+    return next(iter(sizes))[0]
+
+
+def default_microbatches(plan: Plan, batch: int) -> int:
+    """Smallest microbatch count >= 2*pp the schedule accepts that divides the batch per replica."""
+    per_replica = batch // plan.dp if batch % plan.dp == 0 else 0
+    accepted = []
+    for m in [m for m in range(1, per_replica + 1) if per_replica % m == 0]:
+        try:
+            schedules.check(plan.schedule, plan.pp, m, plan.stages_per_rank)
+        except ValueError:
+            continue
+        accepted.append(m)
+    preferred = [m for m in accepted if m >= 2 * plan.pp]
+    if preferred:
+        return preferred[0]
+    if accepted:
+        return accepted[-1]
+    raise ValueError(f"autopar: no microbatch count works for schedule {plan.schedule} with pp={plan.pp}, "
+                     f"dp={plan.dp} and global batch {batch}; pass num_microbatches explicitly or change the batch")

@@ -1,0 +1,38 @@
+"""What every parallelism owner offers the orchestrator (autopar/build.py) and ParallelModel.
+
+An owner is one object per parallelism axis that holds everything the axis changes, in the
+order the orchestrator asks for it:
+
+  rewrite_module(model)        before capture: swap modules (EP: MoE experts -> local shards)
+  rewrite_capture(captured)    after capture, a pure graph pass (CP: Ulysses all-to-alls)
+  rewrite_programs(programs)   after split_backward, a pure pass (ZeRO-3: parameter streaming)
+  whole() / load_whole(values) state: whole tensors out of its shards (collective), and its
+                               shards from whole tensors (``sharded``: the FQNs whose local
+                               tensor is not the whole value, so nobody else writes them)
+
+The defaults do nothing; an owner overrides what its axis needs.
+"""
+from __future__ import annotations
+
+
+class Parallelism:
+    name = ""
+    sharded: frozenset[str] = frozenset()
+
+    def rewrite_module(self, model) -> None:
+        """Change the eager module in place before capture."""
+
+    def rewrite_capture(self, captured):
+        """A new CapturedGraph (the input is not changed)."""
+        return captured
+
+    def rewrite_programs(self, programs: dict) -> dict:
+        """stage index -> StageProgram, new ones where the axis changes them."""
+        return programs
+
+    def whole(self) -> dict:
+        """FQN -> whole value of every parameter in ``sharded`` (collective over the axis)."""
+        return {}
+
+    def load_whole(self, values: dict) -> None:
+        """Write this axis's shards from whole values (every FQN of ``sharded`` is in values)."""

@@ -1,0 +1,49 @@
+"""Expert parallelism: each of ``ep`` ranks holds ``E / ep`` experts of every MoE block.
+
+``ExpertParallel`` owns the module rewrite (passes/expert_parallel.py: experts sharded, the
+expert buffer moved by all-to-all; done before capture, so the captured graph holds the
+all-to-alls and the joint trace their backward), which parameters are expert shards (the data
+parallel owner sums their gradients over the replicas holding the same experts and never
+ZeRO-shards them) and their state mapping: an expert parameter's whole value is its ``ep``
+shards concatenated along dim 0 in EP rank order.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from autopar.passes.expert_parallel import apply_expert_parallel
+from autopar.runtime import comms
+
+from .base import Parallelism
+
+log = logging.getLogger("autopar")
+
+
+class ExpertParallel(Parallelism):
+    name = "ep"
+
+    def __init__(self, *, ep: int, mesh):
+        self.ep, self.mesh = ep, mesh
+        self.shards: dict = {}  # fqn -> passes.expert_parallel.ExpertShard
+        self.params: dict[str, torch.nn.Parameter] = {}
+
+    def rewrite_module(self, model) -> None:
+        self.shards = apply_expert_parallel(model, self.ep, self.mesh.ep_rank, self.mesh.ep_group)
+        named = dict(model.named_parameters())
+        self.params = {f: named[f] for f in self.shards}
+        self.sharded = frozenset(self.shards)
+        log.info("autopar: expert parallel over %d ranks: %d expert parameters sharded", self.ep, len(self.shards))
+
+    def whole(self) -> dict:
+        return {f: comms.all_gather_dim0(p.detach().contiguous(), self.mesh.ep_group) for f, p in self.params.items()}
+
+    def load_whole(self, values: dict) -> None:
+        with torch.no_grad():
+            for f, shard in self.shards.items():
+                full = values[f]
+                if tuple(full.shape) != tuple(shard.full_shape):
+                    raise ValueError(f"autopar: {f} has shape {tuple(full.shape)} in the state dict, the model's is "
+                                     f"{tuple(shard.full_shape)}")
+                self.params[f].copy_(full[shard.rows])

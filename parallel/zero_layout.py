@@ -1,0 +1,146 @@
+"""ZeRO-2/3 memory layout as data: which parameters form which flat group, what each replica
+keeps, what is streamed and what stays resident. One definition, read by the runtime's flat
+storage (runtime/sharded.py) and by the planner's memory model (planner/estimate.py).
+
+The parameters one pipeline rank trains (in model order, tied parameters once, expert-parallel
+shards excluded: they are stepped whole) are cut into *layer groups* (``layer_group``: a
+numbered block such as ``layers.3``, else the owning module). A parameter held by stages on
+several pipeline ranks (a tied embedding/head) forms a group alone: its gradient is summed
+over its holders before the group is reduce-scattered. Under ZeRO-3 the parameters with fewer
+than 2 dims (norms, biases) form one *resident* group instead, gathered once after each
+optimizer step and kept whole.
+
+Each group is one flat vector of ``numel`` elements padded to ``padded``, a multiple of the
+replica count R (dp*cp); every replica keeps one contiguous ``padded / R`` shard, its fp32
+master (what the user's optimizer steps). ZeRO-3 frees the whole values of *streamed* groups
+(every group but the resident one) and gathers each into one of two alternating buffers
+sized for the largest streamed group while a program uses it.
+
+No torch here: the planner prices layouts of models it never materializes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Collection, Sequence
+
+RESIDENT = "resident"
+MASTER_BYTES = 4  # the shards the optimizer steps are fp32
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter as the layout sees it: canonical FQN and shape."""
+
+    fqn: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One flat group: its parameters in order, their offsets in the flat vector, its padded size."""
+
+    name: str
+    fqns: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]
+    numel: int
+    padded: int            # numel rounded up to a multiple of the replica count
+    streamed: bool         # ZeRO-3: whole values live only in a gather buffer while in use
+    tied: bool             # a parameter held on several pipeline ranks, alone in its group
+
+
+@dataclass(frozen=True)
+class ZeroLayout:
+    zero: int
+    replicas: int
+    groups: tuple[GroupSpec, ...]
+
+    def shard(self, g: GroupSpec) -> int:
+        """Elements of ``g`` each replica keeps."""
+        return g.padded // self.replicas
+
+    @property
+    def resident(self) -> GroupSpec | None:
+        return next((g for g in self.groups if g.name == RESIDENT), None)
+
+    @property
+    def gather_numel(self) -> int:
+        """Elements of one of the two ZeRO-3 gather buffers (the largest streamed group)."""
+        return max((g.padded for g in self.groups if g.streamed), default=0)
+
+    @property
+    def numel(self) -> int:
+        return sum(g.numel for g in self.groups)
+
+    @property
+    def padded(self) -> int:
+        return sum(g.padded for g in self.groups)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(self.shard(g) for g in self.groups)
+
+    def parameter_bytes(self, itemsize: int) -> dict[str, int]:
+        """Bytes one replica allocates for parameters under this layout (``itemsize``: bytes of
+        the parameters' own dtype): the fp32 master shards; under ZeRO-2 the whole parameters
+        beside them; under ZeRO-3 the two gather buffers and the whole resident group."""
+        out = {"master shards": self.shard_numel * MASTER_BYTES}
+        if self.zero == 2:
+            out["whole parameters"] = self.numel * itemsize
+        else:
+            res = self.resident
+            out["gather buffers"] = (2 if self.gather_numel else 0) * self.gather_numel * itemsize
+            out["resident"] = res.padded * itemsize if res is not None else 0
+        return out
+
+    def gradient_bytes(self) -> int:
+        """fp32 gradient bytes at the backward's peak: every group's whole flat buffer (it lives
+        until the group's last W of the step) plus the reduce-scattered shard."""
+        return (self.padded + self.shard_numel) * 4
+
+
+def layer_group(fqn: str) -> str:
+    """``layers.3.attn.wq.weight`` -> ``layers.3``; ``tok_emb.weight`` -> ``tok_emb``."""
+    parts = fqn.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or parts[0]
+
+
+def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Collection[str] = ()) -> ZeroLayout:
+    """The flat groups of ``params`` (one rank's trained parameters, model order) for ZeRO
+    level ``zero`` (2 or 3) over ``replicas`` replicas; ``tied``: FQNs held on several
+    pipeline ranks (each alone in a group)."""
+    assert zero in (2, 3), zero
+    assert replicas >= 1, replicas
+    tied = set(tied)
+    by_name: dict[str, list[ParamSpec]] = {}
+    for p in params:
+        if p.fqn in tied:
+            name = p.fqn
+        elif zero == 3 and p.ndim < 2:
+            name = RESIDENT
+        else:
+            name = layer_group(p.fqn)
+        by_name.setdefault(name, []).append(p)
+    groups = []
+    for name, members in by_name.items():
+        offsets, total = [], 0
+        for p in members:
+            offsets.append(total)
+            total += p.numel
+        groups.append(GroupSpec(
+            name=name, fqns=tuple(p.fqn for p in members), shapes=tuple(p.shape for p in members),
+            offsets=tuple(offsets), numel=total, padded=-(-total // replicas) * replicas,
+            streamed=zero == 3 and name != RESIDENT, tied=name in tied))
+    return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups))
