@@ -21,7 +21,8 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
                 example_target=None, timeout: float | None = None, generated: bool = True,
-                grad_reduce: str = "bucketed", bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
+                grad_reduce: str = "bucketed", bucket_mb: float = 25.0,
+                local_transfers: bool = False) -> "ParallelModel":
     """Parallelize ``model`` for training.
 
     ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
@@ -97,9 +98,10 @@ class ParallelModel:
         batch = _build.batch_size(inputs, target)
         if (batch != b.microbatch_size * plan.dp * m or tuple(x.shape[1:] for x in inputs) != b.input_shapes
                 or (target is not None and b.target_shape is not None and tuple(target.shape[1:]) != b.target_shape)):
-            raise ValueError(f"autopar: step got inputs {[tuple(x.shape) for x in inputs]} but the program was captured "
-                             f"for a global batch of {b.microbatch_size * plan.dp * m} with per-sample "
-                             f"shapes {[tuple(s) for s in b.input_shapes]}; shapes are static, re-parallelize for new shapes")
+            raise ValueError(f"autopar: step got inputs {[tuple(x.shape) for x in inputs]} but the program was "
+                             f"captured for a global batch of {b.microbatch_size * plan.dp * m} with per-sample "
+                             f"shapes {[tuple(s) for s in b.input_shapes]}; shapes are static, re-parallelize for "
+                             "new shapes")
         names = b.captured.inputs + ([b.captured.target] if b.captured.target else [])
         tensors = list(inputs) + ([target] if b.captured.target else [])
         cp = b.parallelisms.get("cp")

@@ -127,7 +127,8 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int)
             est = res.chosen.estimate
             summary = (f"planner: {res.chosen.layout.label()} on the {device.name} profile, predicted step "
                        f"{est.step_time * 1e3:.3g} ms, peak memory {max(est.peak_memory) / 2**20:.1f} MiB on the "
-                       f"heaviest rank ({len(res.feasible())} feasible plans priced in {time.perf_counter() - t0:.1f} s)")
+                       f"heaviest rank ({len(res.feasible())} feasible plans priced in "
+                       f"{time.perf_counter() - t0:.1f} s)")
             log.info("autopar: %s; plan %s", summary, chosen.to_json())
             text = json.dumps({"plan": chosen.to_json(), "summary": summary})
     if distributed():

@@ -116,7 +116,8 @@ def run_demo(args) -> int:
 
         print(f"autopar demo: launching {args.nproc} gloo processes (torch elastic launcher)")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=f"autopar-{uuid.uuid4().hex[:8]}",
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc,
+                              run_id=f"autopar-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
                               start_method="spawn")
         results = elastic_launch(config, _worker)(args)

@@ -44,7 +44,8 @@ def stage_table(programs, schedule=None, rows: list[dict] | None = None) -> str:
     for r in rows:
         lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} {_fmt_bytes(r['param_bytes']):>10} "
                      f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
-                     f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} {_fmt_bytes(r['bytes_out']):>10}")
+                     f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} "
+                     f"{_fmt_bytes(r['bytes_out']):>10}")
     return "\n".join(lines)
 
 

@@ -32,15 +32,18 @@ class Plan:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"autopar.Plan: {name} must be a positive int, got {v!r}")
-        if self.num_microbatches is not None and (not isinstance(self.num_microbatches, int) or self.num_microbatches < 1):
-            raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {self.num_microbatches!r}")
+        m = self.num_microbatches
+        if m is not None and (not isinstance(m, int) or m < 1):
+            raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {m!r}")
         if self.stages_per_rank is not None and (not isinstance(self.stages_per_rank, int) or self.stages_per_rank < 1):
-            raise ValueError(f"autopar.Plan: stages_per_rank must be a positive int or None, got {self.stages_per_rank!r}")
+            raise ValueError(f"autopar.Plan: stages_per_rank must be a positive int or None, got "
+                             f"{self.stages_per_rank!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"autopar.Plan: zero={self.zero!r} must be 0 (none), 1 (optimizer states sharded), "
                              "2 (+ gradients) or 3 (+ parameters)")
         if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = {self.dp * self.cp} "
+            raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
+                             f"{self.dp * self.cp} "
                              "(experts are sharded over the ranks that hold the same pipeline stage)")
         from autopar.schedules import default_stages_per_rank, names
 

@@ -52,8 +52,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.memory_model import add_model_args, model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
 from autopar.runtime.spawn import run_ranks  # noqa: E402
+from benchmarks.memory_model import add_model_args, model_kwargs, parse_plans, plan_label, profile_and_price  # noqa: E402
 
 MIN_SPEARMAN = 0.8
 MAX_MEDIAN_ERROR = 0.25
@@ -150,7 +150,8 @@ def _rank_main(rank, world, cfg):
     if rank == 0:  # the planner runs here, so its unit timings come from the machine the steps run on
         t0 = time.perf_counter()
         priced, ev, prof = profile_and_price(mk, cfg["specs"], say=msgs.append, profile_batch=cfg["profile_batch"])
-        msgs.append(f"planner: priced {len(priced)} plans in {time.perf_counter() - t0:.1f} s (two captures, unit timing)")
+        msgs.append(f"planner: priced {len(priced)} plans in {time.perf_counter() - t0:.1f} s "
+                    "(two captures, unit timing)")
         box = [[p for _s, _c, p in priced]]
     dist.broadcast_object_list(box, src=0)
     runs = []
@@ -296,9 +297,11 @@ def gloo_calibration(sizes=(1 << 20, 3_250_000, 6_500_000, 13_000_000), reps=13)
         late = r["lag0"] - r["lag4"]
         print(f"  {nbytes:>7} B: compute time lost per message sent+received {cost * 1e3:.2f} ms "
               f"(estimate.CPU_P2P_MESSAGE_S: {CPU_P2P_MESSAGE_S * 1e3:.2f} ms per message, each side), "
-              f"extra wait when needed at once {late * 1e3:.2f} ms (CPU_P2P_LATENCY_S {CPU_P2P_LATENCY_S * 1e3:.2f} ms)")
+              f"extra wait when needed at once {late * 1e3:.2f} ms "
+              f"(CPU_P2P_LATENCY_S {CPU_P2P_LATENCY_S * 1e3:.2f} ms)")
     res = run_ranks(_gloo_main, 2, sizes, reps, timeout_s=60.0, deadline_s=600.0)[0]
-    print(f"gloo on 2 local processes; cpu profile link: alpha {link.alpha_s * 1e6:.0f} us, {link.bandwidth / 1e9:.2f} GB/s")
+    print(f"gloo on 2 local processes; cpu profile link: alpha {link.alpha_s * 1e6:.0f} us, "
+          f"{link.bandwidth / 1e9:.2f} GB/s")
     print(f"{'bytes':>10}  {'p2p ms':>7}  {'all_reduce ms':>13}  {'all_gather ms':>13}  {'reduce_scatter ms':>17}")
     eff = {k: [] for k in ("p2p", "all_reduce", "all_gather", "reduce_scatter")}
     for nbytes, r in res.items():
@@ -326,7 +329,8 @@ def _parse(argv):
     ap.add_argument("--steps", type=int, default=7, help="timed rounds (every plan steps once per round)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--profile-batch", type=int, default=None,
-                    help="samples in the microbatch the planner profiles (default: the largest microbatch of the plans)")
+                    help="samples in the microbatch the planner profiles "
+                         "(default: the largest microbatch of the plans)")
     ap.add_argument("--actions", action="store_true", help="print predicted vs measured time per stage and action")
     ap.add_argument("--no-interleave", action="store_true",
                     help="predict with the unit timings taken before the run only (no re-timing between rounds)")

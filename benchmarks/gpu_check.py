@@ -77,7 +77,8 @@ def check_numerics(args) -> bool:
         good = loss_err <= args.rtol and worst <= 1.0
         ok &= good
         print(f"numerics local_transfers={transfers}: losses {losses} vs eager {ref_losses}; max rel err loss "
-              f"{loss_err:.1e}; parameters: worst |diff| / (atol + rtol |ref|) = {worst:.2f} ({worst_name}, <= 1 passes); "
+              f"{loss_err:.1e}; parameters: worst |diff| / (atol + rtol |ref|) = {worst:.2f} "
+              f"({worst_name}, <= 1 passes); "
               f"{'OK' if good else 'MISMATCH'} (rtol {args.rtol:g})")
     return ok
 
@@ -117,7 +118,8 @@ def check_streams(args) -> bool:
                                                    (e["cat"] == "kernel" and "copy" in e["name"].lower()))
 
     copies = [e for e in gpu if is_copy(e)]
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if e["args"]["stream"] == compute and e["cat"] == "kernel")
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu
+                     if e["args"]["stream"] == compute and e["cat"] == "kernel")
     overlapping = sum(1 for c in copies if any(a < c["ts"] + c["dur"] and c["ts"] < b for a, b in kernels))
     streams = sorted({c["args"]["stream"] for c in copies})
     print(f"streams: kernel time per stream (us) {dict(sorted(kernel_time.items()))}")

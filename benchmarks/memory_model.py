@@ -167,10 +167,9 @@ def trained_params(pm) -> list:
 
 def _rank_main(rank, world, cfg):
     import functools
+    import warnings
 
     import torch
-
-    import warnings
 
     import autopar
     from autopar.examples.gpt import make_gpt
@@ -264,7 +263,8 @@ def main(argv=None) -> int:
             parts = ", ".join(f"{name} {_mib(v)}" for name, v in row.items() if v)
             b = ranks[r][k]["base"]
             print(f"  rank {r} predicted (MiB): {parts}")
-            print(f"  rank {r} measured at entry (MiB): weights {_mib(b['weights'])}, gradients {_mib(b['gradients'])}, "
+            print(f"  rank {r} measured at entry (MiB): weights {_mib(b['weights'])}, "
+                  f"gradients {_mib(b['gradients'])}, "
                   f"optimizer {_mib(b['optimizer'])}; stages {ranks[r][k]['stages']}; unused model copy "
                   f"{_mib(ranks[r][k]['unused_model_copy'])} (not counted)")
     print(f"\nworst over-prediction {worst_over * 100:+.1f}%, worst under-prediction "

@@ -26,7 +26,8 @@ does slightly less work per step; the first-step loss is the same since the valu
 Both libraries run in the same two processes, alternating step by step (the order flips each
 round) so load on this shared machine hits both alike. A step is timed on rank 0 between two
 barriers. Printed: median step times, the ratio autopar/torch per pair (the median of the
-per-round ratios, judged; the ratio of the medians beside it) with its target (<= 1.00 for 1f1b, <= 0.90 for zbv), and the first-step losses of both (must agree
+per-round ratios, judged; the ratio of the medians beside it) with its target (<= 1.00 for 1f1b,
+<= 0.90 for zbv), and the first-step losses of both (must agree
 within 1e-4 relative). Exit code 0 when the run completed and losses agree (targets are
 reported, not enforced: timing on a shared box is noisy).
 """

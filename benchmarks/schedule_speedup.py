@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     for name in SCHEDULES:
         print(f"[{name}] predicted makespan {pred[name] * 1e3:.1f} ms ({pred0[name] * 1e3:.1f} without P2P), "
               f"{pred_r[name] * 1e3:.1f} from in-rank costs; "
-              f"measured median step {meas[name] * 1e3:.1f} ms (steps {', '.join(f'{x * 1e3:.0f}' for x in times[name])})")
+              f"measured median step {meas[name] * 1e3:.1f} ms "
+              f"(steps {', '.join(f'{x * 1e3:.0f}' for x in times[name])})")
     for name in ("zb-h1", "zbv"):
         p = pred[name] / pred["1f1b"]
         p0 = pred0[name] / pred0["1f1b"]

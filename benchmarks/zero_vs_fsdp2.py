@@ -35,8 +35,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from benchmarks.memory_model import add_model_args, model_kwargs  # noqa: E402
 from autopar.runtime.spawn import run_ranks  # noqa: E402
+from benchmarks.memory_model import add_model_args, model_kwargs  # noqa: E402
 
 KiB = 1024
 

@@ -29,8 +29,6 @@ from autopar.runtime.zero import ZeroOneOptimizer
 from .base import Parallelism
 from .zero_layout import ParamSpec, zero_layout
 
-GRAD_REDUCE = ("bucketed", "naive")
-
 
 class DataParallel(Parallelism):
     name = "dp"
@@ -40,10 +38,7 @@ class DataParallel(Parallelism):
                  bucket_bytes: int = 25 * 2**20, timeout=None, comm=None):
         """``stage_params``: this rank's stage index -> the FQNs its programs compute gradients
         of; ``params``: canonical FQN -> Parameter (model order)."""
-        if grad_reduce not in GRAD_REDUCE:
-            raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
-        if zero not in (0, 1, 2, 3):
-            raise ValueError(f"autopar: zero must be 0, 1, 2 or 3, got {zero!r}")
+        assert grad_reduce in ("bucketed", "naive") and zero in (0, 1, 2, 3), (grad_reduce, zero)  # api/Plan check
         self.mesh, self.params, self.timeout, self.grad_reduce = mesh, params, timeout, grad_reduce
         self.zero = zero if mesh.replicas > 1 else 0
         trained = {f for names in stage_params.values() for f in names}

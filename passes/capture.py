@@ -9,11 +9,11 @@ several names (tied embedding / LM head) becomes one placeholder under its first
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import traceback
 import warnings
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch

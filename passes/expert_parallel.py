@@ -144,7 +144,7 @@ def _looks_like_foreign_moe(module: nn.Module) -> bool:
     if isinstance(module, MoE):
         return False
     experts = getattr(module, "experts", None)
-    has_router = isinstance(getattr(module, "gate", None), nn.Module) or isinstance(getattr(module, "router", None), nn.Module)
+    has_router = any(isinstance(getattr(module, name, None), nn.Module) for name in ("gate", "router"))
     return isinstance(experts, nn.Module) and not isinstance(experts, GroupedExperts) and has_router
 
 

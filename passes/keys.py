@@ -27,7 +27,8 @@ Every maker and parser of these strings is here; nothing else spells a prefix.
 from __future__ import annotations
 
 PARAM, BUFFER, CONST = "param:", "buffer:", "const:"
-DATA, INPUT, GRAD, OUT, UPDATE, SAVED, GIN, GPARAM = "data:", "in:", "grad:", "out:", "update:", "saved:", "gin:", "gparam:"
+DATA, INPUT, GRAD, OUT, UPDATE = "data:", "in:", "grad:", "out:", "update:"
+SAVED, GIN, GPARAM = "saved:", "gin:", "gparam:"
 LOSS = "loss"
 STATE_KINDS = (PARAM, BUFFER, CONST)
 

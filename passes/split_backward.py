@@ -75,7 +75,10 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         par_idx = [j for j in range(n_p) if state_and_inputs[j].requires_grad]
         wrt = [state_and_inputs[j] for j in in_idx + par_idx]
         tan = [tangents[grad_candidates.index(i)] for i in diff_idx]
-        grads = torch.autograd.grad([outs[i] for i in diff_idx], wrt, tan, allow_unused=True) if diff_idx and wrt else [None] * len(wrt)
+        if diff_idx and wrt:
+            grads = torch.autograd.grad([outs[i] for i in diff_idx], wrt, tan, allow_unused=True)
+        else:
+            grads = [None] * len(wrt)
         g_in = [torch.zeros_like(state_and_inputs[j]) if g is None else g for j, g in zip(in_idx, grads[: len(in_idx)])]
         g_par = list(grads[len(in_idx):])
         record["diff"], record["in"] = diff_idx, in_idx
@@ -113,7 +116,8 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     annotate_costs(joint)  # once: the programs below copy each node's meta with it
     # node objects may have been replaced: re-read outputs
     flat_out = list(out_node.args[0])
-    fwd_outs, gin_nodes, gpar_nodes = flat_out[:n_out], flat_out[n_out: n_out + len(grad_inputs)], flat_out[n_out + len(grad_inputs):]
+    n_gin = n_out + len(grad_inputs)
+    fwd_outs, gin_nodes, gpar_nodes = flat_out[:n_out], flat_out[n_out: n_gin], flat_out[n_gin:]
 
     if recompute and any(is_random(n) for n in joint.graph.nodes):
         raise ValueError(f"autopar: stage {stage.index} has random ops (dropout?); recomputation would replay "
@@ -158,8 +162,9 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
                       gin_keys + [key_of(n) for n in i_saved], f"stage{stage.index}_I")
     w_prog = _extract(joint, w_nodes, gpar_nodes, key_of, used_from_outside(w_nodes, gpar_nodes),
                       gpar_keys, f"stage{stage.index}_W")
-    b_prog = _extract(joint, b_nodes, gin_nodes + gpar_nodes, key_of, used_from_outside(b_nodes, gin_nodes + gpar_nodes),
-                      gin_keys + gpar_keys, f"stage{stage.index}_B")
+    grads = gin_nodes + gpar_nodes
+    b_prog = _extract(joint, b_nodes, grads, key_of, used_from_outside(b_nodes, grads), gin_keys + gpar_keys,
+                      f"stage{stage.index}_B")
     if recompute:
         for prog in (i_prog, w_prog, b_prog):
             bad = [k for k in prog.args if keys.is_kind(k, keys.SAVED)]
@@ -212,7 +217,8 @@ def differentiable_outputs(stage: StageGraph, input_requires_grad: dict[str, boo
 
 
 def _output_names(stage: StageGraph) -> list[str]:
-    return list(stage.outputs) + [keys.update(f) for f in stage.buffer_updates] + ([keys.LOSS] if stage.has_loss else [])
+    loss = [keys.LOSS] if stage.has_loss else []
+    return list(stage.outputs) + [keys.update(f) for f in stage.buffer_updates] + loss
 
 
 def _grad_candidates(stage: StageGraph) -> list[int]:

@@ -82,8 +82,10 @@ def split_stages(captured: CapturedGraph, num_stages: int, cuts: list[int] | Non
         cuts = choose_cuts(captured, num_stages)
     else:
         cuts = list(cuts)
-        if len(cuts) != num_stages - 1 or sorted(set(cuts)) != cuts or (cuts and not (0 < cuts[0] and cuts[-1] < len(order))):
-            raise ValueError(f"autopar: stage cuts {cuts} must be {num_stages - 1} increasing positions in 1..{len(order) - 1}")
+        in_range = not cuts or (0 < cuts[0] and cuts[-1] < len(order))
+        if len(cuts) != num_stages - 1 or sorted(set(cuts)) != cuts or not in_range:
+            raise ValueError(f"autopar: stage cuts {cuts} must be {num_stages - 1} increasing positions in "
+                             f"1..{len(order) - 1}")
         allowed = crossing_profile(order)[1]
         bad = [c for c in cuts if not allowed[c]]
         if bad:
@@ -169,7 +171,8 @@ def choose_cuts(captured: CapturedGraph, num_stages: int) -> list[int]:
     all_cands = [c for c in range(1, n) if allowed[c]]
     if len(all_cands) < num_stages - 1:
         raise ValueError(f"autopar: the graph has only {len(all_cands) + 1} places it can be split into stages, "
-                         f"fewer than the {num_stages} stages asked for; use pp*stages_per_rank <= {len(all_cands) + 1}")
+                         f"fewer than the {num_stages} stages asked for; use pp*stages_per_rank <= "
+                         f"{len(all_cands) + 1}")
     keys, prev = [], None
     for node in order:
         k = block_key(node)
@@ -276,7 +279,8 @@ def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages) -> St
     nodes = order[a:b]
     inside = set(nodes)
     live_in = [n for n in order[:a] if any(pos.get(u, -1) >= a for u in n.users if u in pos)]
-    live_out = [n for n in order[:b] if any(pos.get(u, -1) >= b for u in n.users if u in pos)] if k < num_stages - 1 else []
+    last = k == num_stages - 1
+    live_out = [] if last else [n for n in order[:b] if any(pos.get(u, -1) >= b for u in n.users if u in pos)]
     out_node = next(n for n in captured.gm.graph.nodes if n.op == "output")
     finals = list(out_node.args[0])
 
@@ -305,7 +309,7 @@ def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages) -> St
     outs = [env[v] for v in live_out]
     updates = []
     for v in finals:
-        if v.name in captured.buffer_updates and v in env and (v in inside or (v.op == "placeholder" and k == num_stages - 1)):
+        if v.name in captured.buffer_updates and v in env and (v in inside or (v.op == "placeholder" and last)):
             outs.append(env[v])
             updates.append(captured.buffer_updates[v.name])
     has_loss = False

@@ -93,7 +93,9 @@ def load_factory(spec: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    say = (lambda msg: None) if args.quiet else (lambda msg: print(f"[autopar plan] {msg}", file=sys.stderr, flush=True))
+    def say(msg: str) -> None:
+        if not args.quiet:
+            print(f"[autopar plan] {msg}", file=sys.stderr, flush=True)
     try:
         return _run(args, say)
     except ValueError as e:
@@ -103,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, say) -> int:
     from . import presets
-    from .devices import current_profile, get_profile, names as device_names
+    from .devices import current_profile, get_profile
+    from .devices import names as device_names
 
     if args.list:
         print("presets: " + ", ".join(presets.names()))

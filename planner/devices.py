@@ -99,9 +99,11 @@ class DeviceProfile:
             if getattr(self, f) > 1:
                 raise ValueError(f"autopar: DeviceProfile {self.name!r}: {f} must be <= 1, got {getattr(self, f)!r}")
         if not (_finite(self.op_overhead_s) and self.op_overhead_s >= 0):
-            raise ValueError(f"autopar: DeviceProfile {self.name!r}: op_overhead_s must be >= 0, got {self.op_overhead_s!r}")
+            raise ValueError(f"autopar: DeviceProfile {self.name!r}: op_overhead_s must be >= 0, got "
+                             f"{self.op_overhead_s!r}")
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
-            raise ValueError(f"autopar: DeviceProfile {self.name!r}: gpus_per_node must be an int >= 1, got {self.gpus_per_node!r}")
+            raise ValueError(f"autopar: DeviceProfile {self.name!r}: gpus_per_node must be an int >= 1, got "
+                             f"{self.gpus_per_node!r}")
         if not isinstance(self.intra, Link) or not isinstance(self.inter, Link):
             raise ValueError(f"autopar: DeviceProfile {self.name!r}: intra and inter must be Link objects")
 
@@ -119,7 +121,8 @@ class DeviceProfile:
         elif key in _FP32_RATE:
             peak = self.peak_flops["float32"]
         else:
-            raise ValueError(f"autopar: unknown dtype {dtype!r} (known: {sorted(set(_DTYPE_ALIASES) | _FP64 | _FP32_RATE)})")
+            known = sorted(set(_DTYPE_ALIASES) | _FP64 | _FP32_RATE)
+            raise ValueError(f"autopar: unknown dtype {dtype!r} (known: {known})")
         return peak * self.flops_efficiency
 
     def node_time(self, flops: float, bytes_moved: float, dtype: str = "bfloat16") -> float:
@@ -448,7 +451,8 @@ def _read_cache(path: str, fingerprint: dict) -> DeviceProfile | None:
     try:
         with open(path) as f:
             data = json.load(f)
-        if not isinstance(data, dict) or data.get("version") != _CACHE_VERSION or data.get("fingerprint") != fingerprint:
+        stamp = (data.get("version"), data.get("fingerprint")) if isinstance(data, dict) else None
+        if stamp != (_CACHE_VERSION, fingerprint):
             return None
         return DeviceProfile.from_dict(data["profile"])
     except FileNotFoundError:
@@ -463,7 +467,8 @@ def _write_cache(path: str, fingerprint: dict, profile: DeviceProfile) -> None:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(tmp, "w") as f:
-            json.dump({"version": _CACHE_VERSION, "fingerprint": fingerprint, "profile": profile.to_dict()}, f, indent=1)
+            json.dump({"version": _CACHE_VERSION, "fingerprint": fingerprint, "profile": profile.to_dict()}, f,
+                      indent=1)
         os.replace(tmp, path)  # atomic: concurrent processes never see a half-written file
     except OSError as e:
         log.warning("autopar: could not write the cpu profile cache %s: %s", path, e)

@@ -4,33 +4,36 @@ microbatching + stage boundaries + recompute), from a ModelProfile and a DeviceP
 Time: each stage's F, I and W are the sums of its units' times (roofline per node); CP adds the
 Ulysses all-to-alls around each attention to F and I, EP the token dispatch/combine around each
 MoE, ZeRO-3 the parameter all-gather of every F and I, overlapped with the unit's compute (a
-unit takes the longer of the two; on the cpu profile, where gloo shares the cores, the sum). The schedule is replayed by the simulator with
-these per-stage costs and the P2P transfer time of each stage boundary. Per stage the runtime
-adds: stage 0's I is empty (its W does the whole backward), every W/B adds its gradients into
-``.grad``, and on the cpu profile every cross-rank message costs the rank compute time. After
-the pipeline, in the runtime's order (:meth:`Evaluator.after_pipeline`): tied weights summed
-over the pipeline ranks holding them, the data-parallel reduction (ZeRO-0: started when a
-stage's last W/B ran, overlapped only with the rank's later actions; ZeRO-1: reduce-scatter
-and all-gather inside the optimizer step, not overlapped; ZeRO-2/3: one reduce-scatter per
-layer group after its last W, ZeRO-2's all-gather after the step), then the optimizer step
-(memory-bound, torch's Adam passes). ``step = makespan + dp_exposed + optimizer``. On the
-``cpu`` profile units are priced from their measured programs (``UnitKind.times``) and gloo's
-collectives, P2P under load and shared memory bandwidth use the measured constants below.
+unit takes the longer of the two; on the cpu profile, where gloo shares the cores, the sum).
+The schedule is replayed by the simulator with these per-stage costs and the P2P transfer
+time of each stage boundary. Per stage the runtime adds: stage 0's I is empty (its W does the
+whole backward), every W/B accumulates its gradients into ``.grad`` (a linear layer's inside
+its weight-gradient GEMM), and on the cpu profile every cross-rank message costs the rank
+compute time. After the pipeline, in the runtime's order (:meth:`Evaluator.after_pipeline`):
+tied weights summed over the pipeline ranks holding them, the data-parallel reduction
+(ZeRO-0: started when a stage's last W/B ran, overlapped only with the rank's later actions;
+ZeRO-1: reduce-scatter and all-gather inside the optimizer step, not overlapped; ZeRO-2/3: one
+reduce-scatter per layer group after its last W, ZeRO-2's all-gather after the step), then the
+optimizer step (memory-bound, torch's Adam passes). ``step = makespan + dp_exposed +
+optimizer``. On the ``cpu`` profile units are priced from their measured programs
+(``UnitKind.times``) and gloo's collectives, P2P under load and shared memory bandwidth use the
+measured constants below.
 
 Memory, per rank, the heaviest rank decides:
-  parameters, gradients and optimizer states (sharded over dp*cp by the ZeRO level; expert
-  weights split over ep; a parameter several units share, e.g. a tied embedding/head, once
-  per rank), the saved activations at the schedule's peak (walking each rank's actions in
-  order: F adds what the stage saves, I changes it to what W still needs, which includes the
-  values I computes for W and can be MORE than F saved, W frees the rest, B frees all), the largest transient working set of one unit, the
-  gradient outputs of one stage's backward (the W/B program returns every parameter gradient
-  of the stage before the runtime adds them into ``.grad``, so during a W/B a second,
-  per-microbatch copy of the stage's gradients is live), P2P buffers (the runtime keeps every
-  sent tensor until the end of the step: m per boundary and direction, plus two receive
-  buffers in flight), the gradient-reduction buffers (DP buckets, ZeRO-1's flat gradients and
-  gathered parameters; the runtime allocates them after a stage's last backward, so only
-  their excess over the pipeline phase's activations and transients counts), ZeRO-3 gather
-  buffers, and a fixed runtime overhead.
+  parameters, gradients and optimizer states (sharded over dp*cp by the ZeRO level; ZeRO-2/3
+  exactly as ``autopar.parallel.zero_layout`` lays them out, padding, resident group and gather
+  buffers included; expert weights split over ep and never ZeRO-sharded; a parameter several
+  units share, e.g. a tied embedding/head, once per rank), the saved activations at the
+  schedule's peak (walking each rank's actions in order: F adds what the stage saves, I
+  changes it to what W still needs, which includes the values I computes for W and can be MORE
+  than F saved, W frees the rest, B frees all), the largest transient working set of one unit,
+  under ZeRO-2/3 the fresh gradients one W/B returns before they are added into the flat
+  buffers (ZeRO-0/1 programs accumulate into ``.grad`` in place and return none), P2P buffers
+  (the runtime keeps every sent tensor until the end of the step: m per boundary and direction,
+  plus two receive buffers in flight), the gradient-reduction buffers (DP buckets, ZeRO-1's
+  flat gradients and gathered parameters; the runtime allocates them after a stage's last
+  backward, so only their excess over the pipeline phase's activations and transients counts),
+  and a fixed runtime overhead.
 Rank layout: cp varies fastest, then dp, then pp (so cp and dp groups stay inside a node when
 they can); ep groups are drawn from the dp*cp ranks of one stage.
 """
@@ -40,8 +43,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from autopar.schedules import build, simulate
-from autopar.schedules.simulate import peak_memory
 from autopar.schedules.costs import Costs
+from autopar.schedules.simulate import peak_memory
 
 from . import comm
 from .profile import ModelProfile, UnitKind

@@ -23,7 +23,7 @@ import pulp
 
 from autopar.schedules.ir import B, F, I, W
 
-from .estimate import GiB, Evaluator, Layout, Partition, runtime_overhead
+from .estimate import Evaluator, GiB, Layout, Partition, runtime_overhead
 
 
 @dataclass(frozen=True)

@@ -312,7 +312,9 @@ def _live_set(gm: fx.GraphModule, results: Sequence[str] = (), skip: tuple[str, 
     nodes = list(gm.graph.nodes)
     out = next(n for n in nodes if n.op == "output")
     vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    skipped = {_base(v) for v, k in zip(vals, results) if isinstance(v, fx.Node) and k.startswith(skip)} if skip else set()
+    skipped = set()
+    if skip:
+        skipped = {_base(v) for v, k in zip(vals, results) if isinstance(v, fx.Node) and k.startswith(skip)}
     base = {n: _base(n) for n in nodes}
     last = {}
     for i, n in enumerate(nodes):
@@ -422,7 +424,9 @@ class _UnitTimer:
             shape, dt = tuple(val.shape), val.dtype
             if not dt.is_floating_point:
                 return torch.zeros(shape, dtype=dt)
-            return torch.randn(shape, dtype=dt) if contiguous else torch.empty_strided(shape, val.stride(), dtype=dt).normal_()
+            if contiguous:
+                return torch.randn(shape, dtype=dt)
+            return torch.empty_strided(shape, val.stride(), dtype=dt).normal_()
 
         env = {}
         for k in set(sp.f.args) | set(sp.i.args) | set(sp.w.args):

@@ -184,7 +184,8 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     gap = s["max_gap_vs_balanced_bound"]
     L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs ({s['solver']}): {', '.join(s['statuses']) or '-'}; "
              f"largest gap to the perfectly balanced bound {'-' if gap is None else f'{gap * 100:.1f}%'}; "
-             f"{s['simulated']} of {s['layouts']} layouts simulated, {s['memory_checked']} more found over the limit by memory alone")
+             f"{s['simulated']} of {s['layouts']} layouts simulated, {s['memory_checked']} more found over the "
+             "limit by memory alone")
     c = res.chosen
     if c is None:
         L.append("")
@@ -215,10 +216,9 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     L += _table(["stage", "rank", "first", "last", "units", "recompute", "F ms", "I ms", "W ms"], srows)
     L += ["", f"memory per pp rank, GiB (limit {req.memory_limit / GiB:.2f})"]
     keys = list(est.memory[0].keys())
-    L += _table(["rank"] + keys + ["total", "headroom"],
-                _collapse([[r] + [_gib(est.memory[r][k]) for k in keys] + [_gib(est.peak_memory[r]),
-                                                                             _gib(req.memory_limit - est.peak_memory[r])]
-                           for r in range(len(est.memory))], ranged=(0,)))
+    rows = [[r] + [_gib(est.memory[r][k]) for k in keys]
+            + [_gib(est.peak_memory[r]), _gib(req.memory_limit - est.peak_memory[r])] for r in range(len(est.memory))]
+    L += _table(["rank"] + keys + ["total", "headroom"], _collapse(rows, ranged=(0,)))
     worst = max(range(len(est.peak_memory)), key=est.peak_memory.__getitem__)
     L.append(f"  rank {worst} (heaviest): M(b, s) = {memory_formula(res, est, worst)} bytes "
              f"at b={lay.b}, s={prof.seq_len}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import NamedTuple, Sequence
 
 from autopar.schedules.deps import needs
-from autopar.schedules.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, W, Action
+from autopar.schedules.ir import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, W
 
 
 class Call(NamedTuple):

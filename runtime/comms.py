@@ -86,10 +86,6 @@ def new_group(ranks: list[int], timeout: timedelta | None = None):
     return dist.new_group(ranks=ranks, timeout=timeout)
 
 
-def barrier(group=None):
-    return dist.barrier(group=group)
-
-
 def default_store():
     """The default process group's store (for failure reports), or None."""
     try:

@@ -1,8 +1,9 @@
 """Distributed mode: this process runs its pipeline rank's lowered action list.
 
 Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one pipeline
-replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by tagged isend/irecv; a receive is posted where
-the lowered schedule puts its RECV and waited on just before the compute that reads it;
+replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by
+tagged isend/irecv; a receive is posted where the lowered schedule puts its RECV and waited
+on just before the compute that reads it;
 sends complete in the background and are waited on at the end of the step. After the last
 action: tied parameters' gradients are summed over the pipeline ranks that hold them
 (parallel/pipeline.py), then the data-parallel owner (parallel/data.py) finishes its
@@ -120,7 +121,8 @@ class DistributedPipeline:
         except (RuntimeError, ValueError) as e:
             if isinstance(e, PeerTimeout):
                 raise
-            raise PeerTimeout(self._failure_report(f"failed with {type(e).__name__}: {str(e).splitlines()[0][:300]}")) from e
+            why = f"failed with {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            raise PeerTimeout(self._failure_report(why)) from e
         self.at("done")
         self.step_index += 1
         return loss

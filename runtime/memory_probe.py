@@ -157,7 +157,3 @@ class PeakTensorMemory:
             for _n, fin in self._live.values():
                 fin.detach()
             self._live.clear()
-
-    @property
-    def peak_above_baseline(self) -> int:
-        return self.peak_bytes - self.baseline_bytes

@@ -128,7 +128,8 @@ class ShardedParameters:
     # -- layout ---------------------------------------------------------------------------------
 
     def _flatten(self, g: FlatGroup, tensors) -> torch.Tensor:
-        flat = torch.zeros(g.padded, dtype=g.dtype, device=tensors[0].device if tensors else self.params[g.fqns[0]].device)
+        device = tensors[0].device if tensors else self.params[g.fqns[0]].device
+        flat = torch.zeros(g.padded, dtype=g.dtype, device=device)
         for o, t in zip(g.offsets, tensors):
             flat[o: o + t.numel()].copy_(t.reshape(-1))
         return flat
@@ -225,7 +226,9 @@ class ShardedParameters:
                     self._reduce_scatter(g)
 
     def _reduce_scatter(self, g: FlatGroup) -> None:
-        full = g.grad_full if g.grad_full is not None else torch.zeros(g.padded, dtype=torch.float32, device=self.device)
+        full = g.grad_full
+        if full is None:
+            full = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
         g.grad_full = None
         shard = torch.empty(g.padded // self.replicas, dtype=torch.float32, device=self.device)
         if self.group is None:

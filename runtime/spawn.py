@@ -43,7 +43,8 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float 
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store_path, fn, args, tmp, timeout_s)) for r in range(world)]
+        procs = [ctx.Process(target=_worker, args=(r, world, store_path, fn, args, tmp, timeout_s))
+                 for r in range(world)]
         for p in procs:
             p.start()
         end = time.monotonic() + deadline_s

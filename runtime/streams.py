@@ -23,6 +23,7 @@ which is how stream/event ordering is exercised, and checked against eager, on o
 from __future__ import annotations
 
 import contextlib
+
 import torch
 
 

@@ -13,7 +13,7 @@ own notion of where a value lives (same rank or received) and when it arrives.
 """
 from __future__ import annotations
 
-from autopar.schedules.ir import B, COMPUTE_TYPES, F, I, W, Action
+from autopar.schedules.ir import COMPUTE_TYPES, Action, B, F, I, W
 
 Key = tuple[int, str, int]  # (stage, kind, microbatch), kind in "F", "G", "I"
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from autopar.schedules.ir import B, F, I, W, Action, Schedule, linear_layout, make_schedule
+from autopar.schedules.ir import Action, B, F, I, Schedule, W, linear_layout, make_schedule
 
 
 def gpipe(pp: int, m: int) -> Schedule:

@@ -28,7 +28,7 @@ from autopar.schedules.costs import Costs, activation_units, as_costs
 from autopar.schedules.gen_1f1b import interleaved_1f1b, one_f_one_b_rank, zb_h1
 from autopar.schedules.gen_v import zbv
 from autopar.schedules.greedy import PREFER, Knobs, greedy_order
-from autopar.schedules.ir import B, F, I, W, Action, Schedule, linear_layout, make_schedule, v_layout
+from autopar.schedules.ir import Action, B, F, I, Schedule, W, linear_layout, make_schedule, v_layout
 from autopar.schedules.simulate import comm_delays, peak_memory, simulate
 
 EPS = 1e-9

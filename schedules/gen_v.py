@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from autopar.schedules.ir import B, F, I, W, Action, Schedule, make_schedule, v_layout
+from autopar.schedules.ir import Action, B, F, I, Schedule, W, make_schedule, v_layout
 
 
 class _RankProgram:

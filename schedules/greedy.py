@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autopar.schedules.costs import Costs
-from autopar.schedules.ir import F, I, W, Action
+from autopar.schedules.ir import Action, F, I, W
 
 INF = math.inf
 W_POLICIES = ("fit", "strict", "eager", "lazy", "immediate")

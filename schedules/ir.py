@@ -15,7 +15,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
-F, I, W, B = "F", "I", "W", "B"
+F, I, W, B = "F", "I", "W", "B"  # noqa: E741 - the action types' own names
 SEND_F, RECV_F, SEND_B, RECV_B = "SEND_F", "RECV_F", "SEND_B", "RECV_B"
 COMPUTE_TYPES = (F, I, W, B)
 COMM_TYPES = (SEND_F, RECV_F, SEND_B, RECV_B)
@@ -110,11 +110,6 @@ class Schedule:
     @property
     def stages_per_rank(self) -> int:
         return max(len(self.stages_of(r)) for r in range(self.pp))
-
-    @property
-    def splits_backward(self) -> bool:
-        """True when some action is an I or W (the runtime then needs split F/I/W programs)."""
-        return any(a.type in (I, W) for acts in self.actions for a in acts)
 
     def __str__(self) -> str:
         lines = [f"{self.name}: pp={self.pp} stages={self.num_stages} microbatches={self.num_microbatches}"]

@@ -22,8 +22,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from dataclasses import dataclass
 
-from autopar.schedules.deps import Key, needs, produces, producers
-from autopar.schedules.ir import B, F, I, RECV_B, RECV_F, SEND_B, SEND_F, Action, Schedule
+from autopar.schedules.deps import Key, needs, producers, produces
+from autopar.schedules.ir import RECV_B, RECV_F, SEND_B, SEND_F, Action, B, F, I, Schedule
 from autopar.schedules.simulate import simulate
 
 

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from autopar.schedules.costs import Costs, activation_units, as_costs
 from autopar.schedules.deps import Key, needs, produces
-from autopar.schedules.ir import B, COMPUTE_TYPES, F, I, W, Action, Schedule
+from autopar.schedules.ir import COMPUTE_TYPES, Action, B, F, I, Schedule, W
 
 
 @dataclass(frozen=True)
@@ -43,10 +43,6 @@ class SimResult:
     @property
     def idle(self) -> tuple[float, ...]:
         return tuple(self.makespan - b for b in self.busy)
-
-    @property
-    def max_peak_memory(self) -> float:
-        return max(self.peak_memory)
 
 
 def peak_memory(schedule: Schedule, stage_bytes: Sequence[float] | None = None,

@@ -16,8 +16,8 @@ Checks, in order (the first failure is reported, with rank, position and the fix
 """
 from __future__ import annotations
 
-from autopar.schedules.deps import Key, needs, produces, producers
-from autopar.schedules.ir import B, COMPUTE_TYPES, F, I, W, Action, Schedule
+from autopar.schedules.deps import Key, needs, producers, produces
+from autopar.schedules.ir import COMPUTE_TYPES, Action, B, F, I, Schedule, W
 
 
 def validate(schedule: Schedule) -> Schedule:

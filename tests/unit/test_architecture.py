@@ -102,7 +102,8 @@ def test_the_walk_sees_imports_inside_functions():
     """The oracle for the checks above: a known lazy import (the planner, inside build's
     choose_plan) and a known relative one (runtime/local.py's stage_work) are found."""
     graph = _graph()
-    assert "autopar.planner" in graph["autopar.build"] and "autopar.runtime.stage_work" in graph["autopar.runtime.local"]
+    assert "autopar.planner" in graph["autopar.build"]
+    assert "autopar.runtime.stage_work" in graph["autopar.runtime.local"]
 
 
 def test_api_is_the_user_facing_layer():

@@ -8,7 +8,8 @@ import functools
 import pytest
 import torch
 
-from autopar.examples.gpt import GPT, GPTConfig, gpt_loss, make_gpt as make_gpt_example
+from autopar.examples.gpt import GPT, GPTConfig, gpt_loss
+from autopar.examples.gpt import make_gpt as make_gpt_example
 from tests.models import ALL_CASES, BATCH, ModelCase, export_case
 from tests.reference import assert_close_state, eager_reference, split_batch, state_copy
 

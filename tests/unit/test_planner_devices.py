@@ -163,7 +163,8 @@ def test_node_time_dtypes_and_errors():
     p = devices.get_profile("h100")
     assert p.node_time(1e15, 0) == p.node_time(1e15, 0, "bf16") == p.node_time(1e15, 0, torch.bfloat16)
     assert p.node_time(1e15, 0, torch.float32) > p.node_time(1e15, 0, torch.bfloat16)
-    assert p.node_time(1e15, 0, "float64") == pytest.approx(p.op_overhead_s + 2e15 / (p.peak_flops["float32"] * p.flops_efficiency))
+    expected = p.op_overhead_s + 2e15 / (p.peak_flops["float32"] * p.flops_efficiency)
+    assert p.node_time(1e15, 0, "float64") == pytest.approx(expected)
     assert p.node_time(0, 0) == p.op_overhead_s
     with pytest.raises(ValueError, match="bfloat61"):
         p.node_time(1, 1, "bfloat61")

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from autopar.schedules.deps import needs, produces, producers
+from autopar.schedules.deps import needs, producers, produces
 from autopar.schedules.ir import COMPUTE_TYPES, Action
 
 
