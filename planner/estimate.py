@@ -42,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from autopar.parallel.zero_layout import MASTER_BYTES, ZeroLayout, zero_layout
 from autopar.schedules import build, simulate
 from autopar.schedules.costs import Costs
 from autopar.schedules.simulate import peak_memory
@@ -152,6 +153,11 @@ class Precision:
     grad: int
     optim: int   # Adam m + v (+ fp32 master weights in mixed precision)
 
+    @property
+    def adam(self) -> int:
+        """Adam's two states alone (``optim`` without a master copy)."""
+        return self.optim - (MASTER_BYTES if self.weight < 4 else 0)
+
     @staticmethod
     def for_profile(profile: ModelProfile) -> "Precision":
         pbytes = sum(k.param_bytes for k in profile.kinds)
@@ -225,14 +231,20 @@ class Evaluator:
         return self.unit_params(kind, lay) * self.precision.weight
 
     def unit_static(self, kind: UnitKind, lay: Layout) -> float:
-        """Parameter + gradient + optimizer bytes of one unit on one rank, after ZeRO sharding."""
-        n = self.unit_params(kind, lay)
+        """Parameter + gradient + optimizer bytes of one unit on one rank, after ZeRO sharding,
+        without the ZeRO-2/3 padding (at most what ``memory`` counts for the unit). Expert
+        weights (split by ep) are never ZeRO-sharded: their optimizer steps them whole."""
         d = lay.dp * lay.cp
         p = self.precision
-        w = p.weight * (n / d if lay.zero >= 3 else n)
-        g = self.grad_per_param(lay) * n
-        o = self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n)
-        return w + g + o
+        n_exp = kind.expert_params / lay.ep
+        n = kind.params - kind.expert_params
+        experts = (p.weight + p.grad + p.optim) * n_exp
+        if lay.zero >= 2 and d > 1:
+            grads = 4.0 * n * (1 + 1 / d)  # the flat fp32 buffers and their shards
+            if lay.zero == 3:  # fp32 master shards, the resident group (norms, biases) whole
+                return MASTER_BYTES * n / d + p.weight * kind.small_params + grads + p.adam * n / d + experts
+            return p.weight * n + grads + (p.adam + MASTER_BYTES) * n / d + experts
+        return (p.weight + p.grad) * n + self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n) + experts
 
     def grad_per_param(self, lay: Layout) -> float:
         """Gradient bytes per parameter element at the backward's peak. ZeRO-0/1: the gradients.
@@ -616,16 +628,46 @@ class Evaluator:
         sched = build(lay.schedule, lay.pp, lay.m, lay.v)
         return self.memory(lay, part, sched.stage_to_rank, self.activation_peaks(sched, lay, part))[1]
 
+    def rank_specs(self, part: Partition, s2r, rank: int) -> list:
+        """The ParamSpecs of every parameter ``rank`` holds (once each, in unit order)."""
+        seen, out = set(), []
+        for s in range(len(s2r)):
+            if s2r[s] == rank:
+                for u in self.units[part.bounds[s]: part.bounds[s + 1]]:
+                    for spec in u.params:
+                        if spec.fqn not in seen:
+                            seen.add(spec.fqn)
+                            out.append(spec)
+        return out
+
+    def zero_layout(self, lay: Layout, part: Partition, s2r, rank: int) -> ZeroLayout | None:
+        """The ZeRO-2/3 layout ``rank`` shards its non-expert parameters into, exactly as the
+        runtime builds it (autopar.parallel.zero_layout); None without ZeRO-2/3 over replicas or
+        when the profile's units carry no parameter names."""
+        d = lay.dp * lay.cp
+        if lay.zero < 2 or d == 1 or not all(u.params or not u.kind.params for u in self.units):
+            return None
+        experts = set().union(*(u.experts for u in self.units))
+        holders: dict[str, set[int]] = {}
+        for s in range(len(s2r)):
+            for u in self.units[part.bounds[s]: part.bounds[s + 1]]:
+                for spec in u.params:
+                    holders.setdefault(spec.fqn, set()).add(s2r[s])
+        tied = {f for f, ranks in holders.items() if len(ranks) > 1}
+        plain = [spec for spec in self.rank_specs(part, s2r, rank) if spec.fqn not in experts]
+        return zero_layout(plain, lay.zero, d, tied)
+
     def memory(self, lay: Layout, part: Partition, s2r, act_peaks) -> tuple[list[dict], list[float]]:
         """Per-rank components (bytes) and totals; ``act_peaks`` from :meth:`activation_peaks`."""
         sc = self.scale(lay)
-        p = self.precision
-        d = lay.dp * lay.cp
         rows, totals = [], []
         stage_kinds = self.stage_kinds(part)
         for r in range(lay.pp):
             kinds = [k for s in range(len(s2r)) if s2r[s] == r for k in stage_kinds[s]]
             n = self.rank_params(lay, part, s2r, r)
+            n_exp = sum(k.expert_params for k in kinds) / lay.ep
+            static = self._static_rows(lay, part, s2r, r, n, n_exp, kinds)
+            gather = static.pop("zero-3 gather")
             act = float(act_peaks[r])
             work = max((k.work_bytes for k in kinds), default=0.0) * sc
             gout = self.grad_output_bytes(lay, part, s2r, r)
@@ -633,22 +675,48 @@ class Evaluator:
             # transients are gone: only what they need beyond the pipeline phase's peak counts
             red_name, red = self.reduction_bytes(lay, n)
             row = {
-                "weights": p.weight * (n / d if lay.zero >= 3 else n),
-                "gradients": self.grad_per_param(lay) * n,
-                "optimizer": self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n),
+                **static,
                 "activations": act,
                 "working": work,
                 "grad outputs": gout,
                 "p2p buffers": self.p2p_bytes(lay, part, s2r, r),
                 "dp buckets": max(0.0, red - (act + work + gout)) if red_name == "dp buckets" else 0.0,
                 "zero-1 buffers": max(0.0, red - (act + work + gout)) if red_name == "zero-1 buffers" else 0.0,
-                "zero-3 gather": 2 * max((self.unit_weight_bytes(k, lay) for k in kinds), default=0.0)
-                if lay.zero >= 3 and d > 1 else 0.0,
+                "zero-3 gather": gather,
                 "runtime": runtime_overhead(self.device),
             }
             rows.append(row)
             totals.append(sum(row.values()))
         return rows, totals
+
+
+    def _static_rows(self, lay: Layout, part: Partition, s2r, rank: int, n: float, n_exp: float, kinds) -> dict:
+        """weights, gradients, optimizer states and ZeRO-3 gather buffers of one rank (bytes).
+        ``n``: parameter elements it holds (experts split by ep), ``n_exp`` of which experts."""
+        p = self.precision
+        d = lay.dp * lay.cp
+        experts = {"weights": p.weight * n_exp, "gradients": p.grad * n_exp, "optimizer": p.optim * n_exp}
+        zl = self.zero_layout(lay, part, s2r, rank)
+        if zl is not None:  # ZeRO-2/3, laid out as the runtime does (padding, resident group)
+            pb = zl.parameter_bytes(p.weight)
+            if lay.zero == 3:
+                weights, optim = pb["master shards"] + pb["resident"], p.adam * zl.shard_numel
+            else:
+                weights, optim = pb["whole parameters"], p.adam * zl.shard_numel + pb["master shards"]
+            return {"weights": weights + experts["weights"],
+                    "gradients": zl.gradient_bytes() + experts["gradients"],
+                    "optimizer": optim + experts["optimizer"], "zero-3 gather": pb.get("gather buffers", 0)}
+        plain = n - n_exp
+        if lay.zero >= 2 and d > 1:  # a profile without parameter names: per element, no padding
+            row = {"weights": p.weight * (plain / d if lay.zero == 3 else plain),
+                   "gradients": self.grad_per_param(lay) * plain, "optimizer": self.optim_per_param(lay) * plain / d,
+                   "zero-3 gather": 2 * max((self.unit_weight_bytes(k, lay) for k in kinds), default=0.0)
+                   if lay.zero == 3 else 0.0}
+        else:
+            row = {"weights": p.weight * plain, "gradients": self.grad_per_param(lay) * plain,
+                   "optimizer": self.optim_per_param(lay) * (plain / d if lay.zero >= 1 else plain),
+                   "zero-3 gather": 0.0}
+        return {k: v + experts.get(k, 0.0) for k, v in row.items()}
 
 
 @lru_cache(maxsize=None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import pulp
 
+from autopar.parallel.zero_layout import MASTER_BYTES
 from autopar.schedules.ir import B, F, I, W
 
 from .estimate import Evaluator, GiB, Layout, Partition, runtime_overhead
@@ -273,11 +274,17 @@ def ilp_unit_static(ev: Evaluator, kind, lay: Layout) -> float:
     states (``Evaluator.unit_static``), plus upper bounds of the parameter-proportional terms
     ``Evaluator.memory`` counts: the gradients a W returns before they are accumulated (at most
     the rank's parameters once) and ZeRO-0/1's reduction buffers (all of them, not only their
-    excess over the activations). So a cut the ILP accepts fits under the estimate too."""
+    excess over the activations), and under ZeRO-2/3 the padding of its flat groups (fewer than
+    dp*cp elements per group, at most one group per parameter tensor, each padded element costing
+    its master, Adam states, gradient buffers and, whole, its weight). So a cut the ILP accepts
+    fits under the estimate too."""
     n = ev.unit_params(kind, lay)
+    d = lay.dp * lay.cp
     extra = ev.precision.weight * n
-    if lay.dp * lay.cp > 1 and lay.zero <= 1:
+    if d > 1 and lay.zero <= 1:
         extra += ev.reduction_bytes(lay, n)[1]
+    if d > 1 and lay.zero >= 2:
+        extra += kind.param_tensors * (d - 1) * (MASTER_BYTES + ev.precision.adam + 8 + ev.precision.weight)
     return ev.unit_static(kind, lay) + extra
 
 
@@ -287,7 +294,7 @@ def _fixed_memory(ev: Evaluator, lay: Layout, work: float, out_max: float) -> di
     until the end of the step, plus two receive buffers."""
     d = lay.dp * lay.cp
     gather = 0.0
-    if lay.zero >= 3 and d > 1:
-        gather = 2 * max(ev.unit_weight_bytes(k, lay) for k, _ in ev.profile.runs())
+    if lay.zero >= 3 and d > 1:  # two buffers of the largest layer group (padded by < d elements)
+        gather = 2 * (max(ev.unit_weight_bytes(k, lay) for k, _ in ev.profile.runs()) + (d - 1) * ev.precision.weight)
     p2p = (2 * lay.v * lay.m + 2) * out_max if lay.pp > 1 else 0.0
     return {"working": work, "p2p": p2p, "zero-3 gather": gather, "runtime": runtime_overhead(ev.device)}

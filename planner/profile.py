@@ -44,6 +44,8 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from autopar.parallel.zero_layout import ParamSpec
+
 log = logging.getLogger("autopar")
 
 _VIEW_LIKE = {"_unsafe_view", "alias", "detach", "lift_fresh", "lift_fresh_copy"}
@@ -138,6 +140,7 @@ class UnitKind:
     attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume)
     dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume)
     work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
+    small_params: int = 0     # elements of non-expert parameters with < 2 dims (norms, biases: ZeRO-3's resident group)
     # times the unit's F, I and W programs on real tensors in this process: (f, i, w) seconds at
     # the captured microbatch; None for models captured on fake tensors (meta presets)
     measure: Callable[[], tuple[float, float, float]] | None = field(default=None, compare=False, repr=False)
@@ -195,6 +198,9 @@ class Unit:
     name: str            # layer name in the real model, e.g. "layers.57"
     kind: UnitKind
     cut: int | None      # compute-node index where the unit starts in the captured graph (None if not captured)
+    # the unit's parameters under the real model's FQNs (canonical names; for the ZeRO layout)
+    params: tuple = field(default=(), compare=False, repr=False)
+    experts: frozenset = field(default=frozenset(), compare=False, repr=False)  # of those, the expert weights
 
 
 @dataclass
@@ -253,6 +259,16 @@ class ModelProfile:
 
     def flops_per_sample(self) -> float:
         return sum(u.kind.f.total_flops + u.kind.i.total_flops + u.kind.w.total_flops for u in self.units) / self.batch0
+
+
+def _param_specs(stage) -> tuple[ParamSpec, ...]:
+    """The stage's parameters (canonical FQNs, traced shapes)."""
+    phs = [n for n in stage.gm.graph.nodes if n.op == "placeholder"][: len(stage.params)]
+    return tuple(ParamSpec(fqn, tuple(ph.meta["val"].shape)) for fqn, ph in zip(stage.params, phs))
+
+
+def _experts(specs, is_expert) -> frozenset:
+    return frozenset(s.fqn for s in specs if is_expert(s.fqn))
 
 
 def _fakeify(model: torch.nn.Module, inputs: tuple, target):
@@ -501,6 +517,8 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     params = sum(vals[n.name].numel() for n in phs[:n_state])
     pbytes = sum(value_bytes(vals[n.name]) for n in phs[:n_state])
     expert = sum(vals[n.name].numel() for n, fqn in zip(phs[:n_state], stage.params) if expert_names(fqn))
+    small = sum(vals[n.name].numel() for n, fqn in zip(phs[:n_state], stage.params)
+                if vals[n.name].dim() < 2 and not expert_names(fqn))
     in_bytes = float(stage.bytes_in)
     out_bytes = float(stage.bytes_out)
     attn = 0.0
@@ -526,6 +544,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     return UnitKind(kind=label, f=_program(sp.f.gm), i=_program(sp.i.gm), w=_program(sp.w.gm),
                     saved_bytes=saved, saved_after_i=after_i,
                     in_bytes=in_bytes, out_bytes=out_bytes, params=int(params), param_tensors=n_state,
+                    small_params=int(small),
                     param_bytes=int(pbytes),
                     expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
                     work_bytes=max(b_peak, f_peak - f_end), measure=measure)
@@ -633,18 +652,23 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     units: list[Unit] = []
     counters: dict[str, int] = {}
     first_unit: list[int] = []  # captured unit (stage) k -> index of its first unit in `units`
-    for k, (label, kind) in enumerate(zip(labels, unit_kinds)):
+    for k, (label, kind, st) in enumerate(zip(labels, unit_kinds, stages)):
         first_unit.append(len(units))
         cut = 0 if k == 0 else cuts[k - 1]
+        specs = _param_specs(st)
         if label is None:
-            units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut))
+            units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut, specs, _experts(specs, is_expert)))
             continue
         container = label.rsplit(".", 1)[0]
         n = repeats.get(label, 1)
         for _ in range(n):
             idx = counters.get(container, 0)
             counters[container] = idx + 1
-            units.append(Unit(f"{container}.{idx}", kind, cut if n == 1 and not layer_repeats else None))
+            unit = f"{container}.{idx}"
+            renamed = tuple(ParamSpec(unit + s.fqn[len(label):] if s.fqn.startswith(label + ".") else s.fqn, s.shape)
+                            for s in specs)
+            units.append(Unit(unit, kind, cut if n == 1 and not layer_repeats else None, renamed,
+                              _experts(renamed, is_expert)))
     tied = sum(len(v) - 1 for v in captured.aliases.values())
     tied_elems = 0
     if tied:

@@ -48,7 +48,13 @@ def _train_many(rank, world, subcases):
             if sharded is not None:
                 streamed = [f for g in sharded.groups if g.streamed for f in g.fqns]
                 zero = {"groups": len(sharded.groups), "gathers": sharded.gathers,
-                        "overflow": sharded.overflow_gathers,
+                        "overflow": sharded.overflow_gathers, "pp_rank": pm.built.mesh.pp_rank,
+                        # what the ZeRO-3 storage allocates for parameters: fp32 master shards, the
+                        # two gather buffers, the whole resident group
+                        "parameter_bytes": sum(g.master.numel() * 4 for g in sharded.groups)
+                        + sum(b.numel() * b.element_size() for b in sharded.buffers)
+                        + (sharded.resident.numel() * sharded.resident.element_size()
+                           if sharded.resident is not None else 0),
                         "freed": all(params[f].data.numel() == 0 for f in streamed),
                         "streamed": len(streamed)}
             state = {k: v.clone() for k, v in pm.state_dict().items()}
@@ -94,12 +100,40 @@ def _eager_loss_in_state(case_name, state, dp, m):
     return losses[0]
 
 
+def _planner_parameter_bytes(case_name: str, plan: dict):
+    """(the plan with the planner's stage cuts, per pp rank the ZeRO-3 parameter bytes the
+    planner predicts for it: its weights row, i.e. master shards and resident group, plus the
+    gather buffers), for a plan of one stage per pipeline rank cut at the balanced units."""
+    from autopar.planner.devices import get_profile
+    from autopar.planner.estimate import Evaluator, Layout, Partition
+    from autopar.planner.profile import profile_model
+    from tests.models import ALL_CASES
+
+    case = ALL_CASES[case_name](seed=5)
+    prof = profile_model(case.model, case.inputs, case.target, case.loss_fn)
+    pp, dp, m = plan.get("pp", 1), plan.get("dp", 1), plan["num_microbatches"]
+    units = len(prof.units)
+    bounds = tuple(round(s * units / pp) for s in range(pp + 1))
+    lay = Layout(pp=pp, dp=dp, cp=1, ep=1, schedule=plan["schedule"], v=1, m=m,
+                 b=case.inputs[0].shape[0] // (dp * m), zero=3)
+    ev = Evaluator(prof, get_profile("h100"), 1e12, case.inputs[0].shape[0])
+    est = ev.evaluate(lay, Partition(bounds, (False,) * pp))
+    cuts = tuple(prof.units[b].cut for b in bounds[1:-1])
+    return dict(plan, stage_cuts=cuts), [row["weights"] + row["zero-3 gather"] for row in est.memory]
+
+
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_zero3_cp_ep_match_eager(world):
+    """... and for the ZeRO-3 sub-cases of gpt, the planner's predicted per-rank parameter bytes
+    equal what the runtime allocates, byte for byte (one layout definition, parallel/zero_layout.py)."""
     import torch
 
     assert _routes_zero_tokens_somewhere(), "moe_ep must route zero tokens to an expert on a rank"
-    subcases = MATRIX[world]
+    subcases, predicted = list(MATRIX[world]), {}
+    for i, (case_name, plan) in enumerate(subcases):
+        if case_name == "gpt" and plan.get("zero") == 3:
+            plan, predicted[i] = _planner_parameter_bytes(case_name, plan)
+            subcases[i] = (case_name, plan)
     per_rank = run_ranks(_train_many, world, subcases, deadline_s=600)
     failures = []
     for i, (case_name, plan) in enumerate(subcases):
@@ -116,6 +150,8 @@ def test_zero3_cp_ep_match_eager(world):
                     assert z is not None and z["streamed"] > 0 and z["freed"], z
                     assert z["gathers"] > 0 and z["overflow"] == 0, z
                     assert res["freed_after_state_dict"], "state_dict left whole parameters behind"
+                    if i in predicted:
+                        assert z["parameter_bytes"] == predicted[i][z["pp_rank"]], (z, predicted[i])
         except AssertionError as e:
             failures.append(f"{case_name} {plan}: {e}")
     assert not failures, "\n\n".join(failures)
