@@ -1,7 +1,9 @@
-"""Planner: properties of chosen plans (P2), the ILP against brute force, the report (P6) and
-infeasible requests (P5)."""
+"""Planner: the cost and memory model against hand-derived figures, properties of chosen plans
+(P2) and the search against an enumeration of every layout, the ILP against brute force, the
+report (P6) and infeasible requests (P5)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -9,19 +11,19 @@ import math
 import pytest
 import sympy
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from autopar.planner import plan_model, presets
+from autopar.planner import presets
 from autopar.planner.cli import main as plan_main
 from autopar.planner.cli import parse_bytes
-from autopar.planner.devices import get_profile
+from autopar.planner.devices import DeviceProfile, Link, get_profile
 from autopar.planner.estimate import Evaluator, GiB, Layout, Partition
 from autopar.planner.ilp import live_vectors, solve_partition
-from autopar.planner.profile import profile_model
-from autopar.planner.report import memory_formula, text, to_json
+from autopar.planner.profile import ModelProfile, Program, Unit, UnitKind, profile_model
+from autopar.planner.report import memory_formula
 from autopar.planner.search import Request, balanced_partition, plan, price
-from autopar.schedules import build, simulate
+from autopar.schedules import build, registry
 
 torch.set_num_threads(1)
 
@@ -65,47 +67,290 @@ def test_preset_profile_expands_repeats(mixtral_profile):
 
 
 # ---------------------------------------------------------------------------------------------
+# the cost and memory model on a hand-made profile, against figures derived here by hand
+#
+# Device "toy": 1 TFLOP/s, 100 GB/s, 10 us per node, every link 100 us + 10 GB/s, no calibration
+# factors. One unit kind, used twice ("blocks.0", "blocks.1"), captured at batch0 = 2 samples, so
+# a microbatch of b = 2 has scale 1. Its F, I and W programs are one node each:
+#   F: 1 GFLOP -> 10 us + max(1e9 / 1e12, 1e6 / 1e11) = 1.01 ms
+#   I: 2 GFLOP -> 2.01 ms        W: 3 GFLOP -> 3.01 ms
+# Per unit: 1M fp32 parameters in 2 tensors; F saves 8 MB, W still needs 10 MB after I (more than
+# F saved: I's outputs that W reads), 1 MB in and out, 3 MB working set.
+
+_F, _I, _W = 1.01e-3, 2.01e-3, 3.01e-3
+_P = 1e6                          # parameters per unit
+_OV, _BW = 1e-5, 1e11             # per-node overhead, memory bandwidth
+_ALPHA, _LINK_BW = 1e-4, 1e10     # every link
+_RUNTIME = 2 * GiB                # fixed per-process overhead on a non-cpu device
+
+
+@pytest.fixture(scope="module")
+def toy():
+    def prog(flops):
+        return Program(flops=(flops,), bytes_moved=(1e6,), dtypes=("float32",), views=(False,))
+
+    dev = DeviceProfile(name="toy", peak_flops={"float32": 1e12, "bfloat16": 1e12, "float16": 1e12},
+                        mem_bandwidth=_BW, memory_bytes=10**12, flops_efficiency=1.0, mem_efficiency=1.0,
+                        op_overhead_s=_OV, intra=Link(_ALPHA, _LINK_BW), inter=Link(_ALPHA, _LINK_BW),
+                        gpus_per_node=8, source="test")
+    kind = UnitKind(kind="blk", f=prog(1e9), i=prog(2e9), w=prog(3e9), saved_bytes=8e6, saved_after_i=10e6,
+                    in_bytes=1e6, out_bytes=1e6, params=int(_P), param_tensors=2, param_bytes=int(4 * _P),
+                    expert_params=0, attention_bytes=0.0, dispatch_bytes=0.0, work_bytes=3e6)
+    prof = ModelProfile(name="toy", units=[Unit("blocks.0", kind, None), Unit("blocks.1", kind, None)], batch0=2,
+                        seq_len=16)
+    return prof, dev
+
+
+def _hand_pp1():
+    """pp=1 dp=1, 1f1b, m=2 microbatches of 2: one stage holding both units, n = 2M parameters."""
+    n = 2 * _P
+    f = 2 * _F                                 # 2.02 ms
+    # stage 0 receives no activation: its I is empty and W does the whole backward (I + W of both
+    # units), plus the accumulation into .grad: 4 tensors x 10 us + read 2, write 1 of 8 MB at 100 GB/s
+    b = 2 * (_I + _W) + 4 * _OV + 3 * 4 * n / _BW       # 10.04 + 0.04 + 0.24 = 10.32 ms
+    makespan = 2 * (f + b)                     # F B F B on one rank: 24.68 ms
+    # Adam over 2M fp32 parameters: 80 bytes per element + 12 node overheads per tensor
+    opt = n * 80 / _BW + 12 * 4 * _OV          # 1.6 + 0.48 = 2.08 ms
+    mem = {"weights": 4 * n, "gradients": 4 * n, "optimizer": 8 * n,      # fp32 weights, grads, Adam m + v
+           "activations": 2 * 8e6,             # one microbatch in flight, both units' saved values
+           "working": 3e6, "runtime": _RUNTIME}  # total 51 MB + 2 GiB
+    return Layout(1, 1, 1, 1, "1f1b", 1, 2, 2, 0), (0, 2), makespan, 0.0, opt, [mem]
+
+
+def _pp2_stage_times():
+    # stage 0 (one unit): F 1.01 ms, backward all in W: I + W + 2 x 10 us + 3 x 4 MB / 100 GB/s = 5.16 ms
+    # stage 1 (one unit): F 1.01 ms, I 2.01 ms, W 3.01 + 0.14 = 3.15 ms
+    acc = 2 * _OV + 3 * 4 * _P / _BW
+    return _F, _I + _W + acc, _I, _W + acc
+
+
+def _pp2_memory(act0, act1):
+    # per rank: one unit's 1M parameters; p2p: the m = 2 sent tensors of its boundary (1 MB each)
+    # kept until the end of the step, plus two receive buffers
+    return [{"weights": 4 * _P, "gradients": 4 * _P, "optimizer": 8 * _P, "activations": act, "working": 3e6,
+             "p2p buffers": 2 * 1e6 + 2 * 1e6, "runtime": _RUNTIME} for act in (act0, act1)]
+
+
+def _after_pp2():
+    # after the pipeline: the loss broadcast over pp (one alpha), then Adam over 1M parameters in 2
+    # tensors: 0.8 + 0.24 = 1.04 ms; rank 0 finishes last in both pp=2 cases below
+    return _ALPHA, _P * 80 / _BW + 12 * 2 * _OV
+
+
+def _hand_pp2_1f1b():
+    """pp=2, 1f1b, m=2: rank 0 runs F0 F1 B0 B1, rank 1 F0 B0 F1 B1. With f and b equal on both
+    stages (1.01 and 5.16 ms) and d = 100 us + 1 MB / 10 GB/s = 0.2 ms per message:
+    rank 1: F(0) [f+d, 2f+d], B(0) until 2f+d+b, F(1) until 3f+d+b, B(1) until 3f+d+2b;
+    rank 0: B(0) waits for B(0)'s gradient, [2f+2d+b, 2f+2d+2b], B(1) for the last one,
+    [3f+2d+2b, 3f+2d+3b]: makespan 3f + 3b + 2d = 18.91 ms."""
+    f, b0, i1, w1 = _pp2_stage_times()
+    b = b0
+    assert math.isclose(i1 + w1, b)
+    d = _ALPHA + 1e6 / _LINK_BW
+    makespan = 3 * f + 3 * b + 2 * d
+    exposed, opt = _after_pp2()
+    # activations: rank 0 holds two microbatches after F0 F1 (8 MB each), rank 1 one
+    return (Layout(2, 1, 1, 1, "1f1b", 1, 2, 2, 0), (0, 1, 2), makespan, exposed, opt, _pp2_memory(16e6, 8e6))
+
+
+def _hand_pp2_zbh1():
+    """pp=2, zb-h1, m=2: rank 0 runs F0 F1 I0 W0 I1 W1, rank 1 F0 I0 F1 I1 W0 W1.
+    rank 1: F(0) [f+d, 2f+d], I(0) until 2f+d+i1, F(1) until 3f+d+i1, I(1) until 3f+d+2i1, then
+    both W: 3f+d+2i1+2w1 = 13.55 ms; rank 0: I(0) (empty) once I(0)'s gradient arrives at
+    2f+2d+i1, W(0) until 2f+2d+i1+w0; I(1)'s gradient is there at 3f+2d+2i1, earlier (w0 = 5.16 >
+    f + i1), so W(1) ends at 2f + 2d + i1 + 2w0 = 14.75 ms."""
+    f, w0, i1, w1 = _pp2_stage_times()
+    d = _ALPHA + 1e6 / _LINK_BW
+    assert w0 > f + i1
+    makespan = 2 * f + 2 * d + i1 + 2 * w0
+    exposed, opt = _after_pp2()
+    # activations (MB), F +8, I: 8 -> 10, W -10: rank 0: 8, 16, 18, 8, 10, 0; rank 1: 8, 10, 18, 20, 10, 0
+    return (Layout(2, 1, 1, 1, "zb-h1", 1, 2, 2, 0), (0, 1, 2), makespan, exposed, opt, _pp2_memory(18e6, 20e6))
+
+
+def _hand_dp2_zero1():
+    """pp=1 dp=2, ZeRO-1, m=2: the pipeline of _hand_pp1 (24.68 ms), then inside the optimizer
+    step: flatten the 2M gradients (read 2 + write 1 x 8 MB, 2 x 4 tensors x 10 us), reduce-scatter
+    and all-gather 8 MB over 2 ranks (each 100 us + 4 MB / 10 GB/s = 0.5 ms), copy back (2 x 8 MB,
+    4 x 10 us), the loss sum over dp (one alpha): 1.62 ms exposed; Adam steps one flat shard of 1M:
+    0.8 ms + 12 x 10 us = 0.92 ms."""
+    lay, bounds, makespan, _, _, (mem,) = _hand_pp1()
+    n = 2 * _P
+    rs = ag = _ALPHA + 0.5 * 4 * n / _LINK_BW
+    exposed = 3 * 4 * n / _BW + 2 * 4 * _OV + rs + ag + 2 * 4 * n / _BW + 4 * _OV + _ALPHA
+    opt = (n / 2) * 80 / _BW + 12 * _OV
+    mem = dict(mem)
+    mem["optimizer"] = (8 + 4) * n / 2     # Adam m + v and the fp32 master, of this rank's half
+    # flat fp32 gradients + their shard + the gathered parameters: 4 x (2n + n/2) = 20 MB, allocated
+    # once the activations (16 MB) and working set (3 MB) are gone: 1 MB more than the pipeline's peak
+    mem["zero-1 buffers"] = 4 * (2 * n + n / 2) - (16e6 + 3e6)
+    return Layout(1, 2, 1, 1, "1f1b", 1, 2, 2, 1), bounds, makespan, exposed, opt, [mem]
+
+
+@pytest.mark.parametrize("case", [_hand_pp1, _hand_pp2_1f1b, _hand_pp2_zbh1, _hand_dp2_zero1],
+                         ids=["pp1", "pp2-1f1b", "pp2-zb-h1", "dp2-zero1"])
+def test_step_time_and_memory_by_hand(toy, case):
+    prof, dev = toy
+    lay, bounds, makespan, exposed, opt, mem = case()
+    ev = Evaluator(prof, dev, memory_limit=10**12, global_batch=lay.dp * lay.m * lay.b)
+    est = ev.evaluate(lay, Partition(bounds, (False,) * (len(bounds) - 1)))
+    assert math.isclose(est.makespan_s, makespan, rel_tol=1e-9), (est.makespan_s, makespan)
+    assert math.isclose(est.dp_exposed_s, exposed, rel_tol=1e-9, abs_tol=1e-12), (est.dp_exposed_s, exposed)
+    assert math.isclose(est.optimizer_s, opt, rel_tol=1e-9), (est.optimizer_s, opt)
+    assert math.isclose(est.step_time, makespan + exposed + opt, rel_tol=1e-9)
+    assert len(est.memory) == len(mem)
+    for r, want in enumerate(mem):
+        got = {k: v for k, v in est.memory[r].items() if v}
+        assert set(got) == set(want), (r, got, want)
+        for k, v in want.items():
+            assert math.isclose(got[k], v, rel_tol=1e-9), (r, k, got[k], v)
+        assert math.isclose(est.peak_memory[r], sum(want.values()), rel_tol=1e-12)
+
+
+def test_hand_made_ordering(toy):
+    """zb-h1 beats 1f1b on the same two stages (14.75 + 1.14 vs 18.91 + 1.14 ms by hand above),
+    and recomputing a stage costs time and saves activations: its I replays the forward."""
+    prof, dev = toy
+    ev = Evaluator(prof, dev, memory_limit=10**12, global_batch=4)
+    plain, rc = Partition((0, 1, 2), (False, False)), Partition((0, 1, 2), (False, True))
+    zb = ev.evaluate(Layout(2, 1, 1, 1, "zb-h1", 1, 2, 2, 0), plain)
+    one = ev.evaluate(Layout(2, 1, 1, 1, "1f1b", 1, 2, 2, 0), plain)
+    assert zb.step_time < one.step_time
+    one_rc = ev.evaluate(Layout(2, 1, 1, 1, "1f1b", 1, 2, 2, 0), rc)
+    # stage 1 recomputing: its B grows by one F (1.01 ms). Redoing the 1f1b timeline with b1 = b + f
+    # on rank 1: makespan 3f + 2d + 2b1 + b0, i.e. +2 x 1.01 ms (both of rank 1's B are on the path)
+    assert math.isclose(one_rc.makespan_s - one.makespan_s, 2 * _F, rel_tol=1e-9)
+    # and rank 1 keeps its input (1 MB) instead of the 8 MB F saved
+    assert math.isclose(one.peak_memory[1] - one_rc.peak_memory[1], 8e6 - 1e6, rel_tol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------
 # P2: properties of the chosen plan
 
+# the GPT fixture's tied embedding / head: one [vocab, d_model] weight in the prologue and the epilogue
+_GPT_TIED = 256 * 32
 
-def _check_plan(res, prof, req):
+
+def _check_plan(res, prof, req, tied: int = 0):
     c = res.chosen
     assert c is not None
     lay, est = c.layout, c.estimate
     assert lay.pp * lay.dp * lay.cp == req.gpus
     assert (lay.dp * lay.cp) % lay.ep == 0
     assert req.global_batch == lay.dp * lay.m * lay.b
-    # every rank within the limit under its own accounting
-    for r, row in enumerate(est.memory):
-        assert math.isclose(sum(row.values()), est.peak_memory[r], rel_tol=1e-9)
+    for r in range(lay.pp):
         assert est.peak_memory[r] <= req.memory_limit
-    # predicted time = the simulator's makespan for this plan + the DP and optimizer terms
-    sched = est.schedule_obj
-    sim = simulate(sched, est.stage_costs, p2p_latency=est.p2p_link[0], p2p_bandwidth=est.p2p_link[1],
-                   message_bytes=est.message_bytes)
-    assert math.isclose(sim.makespan, est.makespan_s, rel_tol=1e-12)
-    assert math.isclose(est.step_time, sim.makespan + est.dp_exposed_s + est.optimizer_s, rel_tol=1e-12)
-    # no feasible candidate listed is faster
-    for other in res.feasible():
-        assert other.time >= c.time - 1e-15
     # stage boundaries cover every unit once, in order
     b = est.partition.bounds
+    S = lay.pp * lay.v
     assert b[0] == 0 and b[-1] == len(prof.units) and all(x < y for x, y in zip(b, b[1:]))
-    assert len(b) - 1 == lay.pp * lay.v
+    assert len(b) - 1 == S
+    s2r = est.stage_to_rank
+    # weights over the pp ranks (whole below ZeRO-3) = the model's parameters, experts split by ep,
+    # and the tied weight twice when its two units (first and last) sit on different ranks
+    if lay.zero < 3:
+        held = sum(row["weights"] for row in est.memory) / res.evaluator.precision.weight
+        expect = sum(u.kind.params - u.kind.expert_params * (1 - 1 / lay.ep) for u in prof.units) - tied
+        expect += tied if s2r[0] != s2r[S - 1] else 0
+        assert math.isclose(held, expect, rel_tol=1e-9), (held, expect)
+    # the simulated makespan against bounds from first principles, given the stage costs: every rank
+    # does m x (F + I + W) of each of its stages, one microbatch goes through every F and every I
+    # (then stage 0's W), crossing each rank boundary twice; and at any moment some rank computes
+    # or some message travels (otherwise the schedule is stuck), so the makespan is at most all the
+    # work plus every message in sequence
+    costs = est.stage_costs
+    alpha, bw = est.p2p_link
+    delay = [alpha + x / bw for x in est.message_bytes]
+    cross = [j for j in range(S - 1) if s2r[j] != s2r[j + 1]]
+    work = [sum(costs.f[s] + costs.i[s] + costs.w[s] for s in range(S) if s2r[s] == r) for r in range(lay.pp)]
+    lower = max(lay.m * max(work), sum(costs.f) + sum(costs.i) + costs.w[0] + 2 * sum(delay[j] for j in cross))
+    upper = lay.m * sum(work) + 2 * lay.m * sum(delay[j] for j in cross)
+    assert lower * (1 - 1e-9) <= est.makespan_s <= upper * (1 + 1e-9), (lower, est.makespan_s, upper)
+
+
+def _every_layout(prof, req):
+    """Every (pp, dp, cp, schedule, m, ZeRO) the request allows, enumerated here from the rules
+    (pp*dp*cp = gpus, dp*m*b = batch, cp divides the heads and the sequence, S = pp*v stages of
+    at least one unit, the schedule's own constraints); the model has no experts."""
+    for pp in range(1, req.gpus + 1):
+        for cp in range(1, req.gpus // pp + 1):
+            if req.gpus % (pp * cp) or (cp > 1 and (prof.n_heads % cp or prof.seq_len % cp)):
+                continue
+            dp = req.gpus // (pp * cp)
+            if req.global_batch % dp:
+                continue
+            per = req.global_batch // dp
+            for m in (x for x in range(1, per + 1) if per % x == 0):
+                for name in (("1f1b",) if pp == 1 else registry.names()):
+                    v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+                    if pp * v > len(prof.units) or (name == "zb-auto" and pp * m > req.zb_auto_max):
+                        continue
+                    try:
+                        registry.check(name, pp, m, v)
+                    except ValueError:
+                        continue
+                    for z in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                        yield Layout(pp, dp, cp, 1, name, v, m, per // m, z)
+
+
+def _priced_by_enumeration(prof, device, req):
+    """{layout: step time} of every layout that fits with balanced stages, plain or (if plain does
+    not fit) every stage recomputing: what the exhaustive search must at least find, priced by a
+    fresh Evaluator, without the search's screen."""
+    ev = Evaluator(prof, device, req.memory_limit, req.global_batch)
+    out = {}
+    for lay in _every_layout(prof, req):
+        S = lay.num_stages
+        bounds = balanced_partition([sum(ev.unit_times(u.kind, lay)) for u in prof.units], S)
+        for rc in (False, True):
+            est = ev.evaluate(lay, Partition(bounds, (rc,) * S))
+            if est.feasible:
+                out[lay] = est.step_time
+                break
+    return out
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(gpus=st.sampled_from([1, 2, 4]), batch=st.sampled_from([8, 16]),
-       limit_mb=st.sampled_from([2, 8, 64]), device=st.sampled_from(["h100", "a100-80gb"]))
-def test_chosen_plan_properties(gpt_profile, gpus, batch, limit_mb, device):
-    req = Request(gpus=gpus, global_batch=batch, memory_limit=limit_mb * 2**20, exhaustive=True)
-    res = plan(gpt_profile, get_profile(device), req)
-    if res.chosen is None:  # then nothing simulated fits
-        assert not res.feasible()
+       over_mib=st.sampled_from([0.5, 1.0, 1.5, 4.0]), device=st.sampled_from(["h100", "a100-80gb"]))
+def test_chosen_plan_properties(gpt_profile, gpus, batch, over_mib, device):
+    # the limit is the GPU profiles' 2 GiB runtime overhead plus what the tiny model needs: from
+    # none fits (1 GPU, +0.5 MiB) through binding (the fastest layouts OOM) to loose
+    assume((gpus, over_mib) != (1, 1.0))  # a known screen bug: test_screen_rejects_no_layout_that_fits
+    _check_search(gpt_profile, device, Request(gpus=gpus, global_batch=batch, memory_limit=2 * GiB + over_mib * 2**20,
+                                               exhaustive=True))
+
+
+def _check_search(prof, device, req):
+    res = plan(prof, get_profile(device), req)
+    fits = _priced_by_enumeration(prof, get_profile(device), req)
+    by_layout = {c.layout: c for c in res.candidates}
+    # every layout that fits with balanced stages is found feasible by the search (its screen
+    # rejected none of them), at that time or better (the ILP's boundaries)
+    for lay, t in fits.items():
+        c = by_layout.get(lay)
+        assert c is not None and c.status in ("chosen", "feasible"), (lay.label(), c and (c.status, c.reason))
+        assert c.time <= t * (1 + 1e-9), lay.label()
+    if res.chosen is None:
+        assert not fits and not res.feasible()
         return
-    _check_plan(res, gpt_profile, req)
-    again = plan(gpt_profile, get_profile(device), req)
+    assert res.chosen.time <= min(fits.values(), default=math.inf) * (1 + 1e-9)
+    _check_plan(res, prof, req, tied=_GPT_TIED)
+    again = plan(prof, get_profile(device), req)
     assert (again.chosen.layout, again.chosen.estimate.partition) == (res.chosen.layout, res.chosen.estimate.partition)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="search._screen's lower bound (static memory from profile.runs(), no shared_duplicates) "
+                          "counts the tied embedding/head twice on a rank holding both: on 1 GPU at +1 MiB it "
+                          "rejects every layout though m=4 and m=8 fit (0.97 and 0.94 MiB over the overhead vs a "
+                          "1.04 MiB bound); the fallback then simulates them, marks them 'feasible', and chosen "
+                          "stays None")
+def test_screen_rejects_no_layout_that_fits(gpt_profile):
+    req = Request(gpus=1, global_batch=8, memory_limit=2 * GiB + 2**20, exhaustive=True)
+    if not _priced_by_enumeration(gpt_profile, get_profile("h100"), req):
+        raise RuntimeError("no layout fits any more: this case no longer shows the screen bug; pick another limit")
+    _check_search(gpt_profile, "h100", req)
 
 
 def test_moe_plan_properties_and_ep(mixtral_profile):
@@ -115,14 +360,38 @@ def test_moe_plan_properties_and_ep(mixtral_profile):
     assert any(c.layout.ep > 1 for c in res.candidates if c.estimate is not None), "EP layouts are priced"
 
 
-def test_memory_formula_matches_estimate(gpt_profile):
-    res = plan(gpt_profile, get_profile("h100"), Request(gpus=2, global_batch=8, memory_limit=8e9))
+def _formula_vs_estimate(prof, limit, sizes):
+    """memory_formula(b, s) of the chosen plan at other microbatch sizes vs the estimate of the
+    same layout and stage boundaries at those sizes."""
+    res = plan(prof, get_profile("h100"), Request(gpus=2, global_batch=8, memory_limit=limit))
     est = res.chosen.estimate
     b, s = sympy.symbols("b s", positive=True)
-    for r in range(len(est.memory)):
-        expr = memory_formula(res, est, r)
-        val = float(expr.subs({b: est.layout.b, s: gpt_profile.seq_len}))
-        assert math.isclose(val, est.peak_memory[r], rel_tol=1e-5, abs_tol=2)
+    out = []
+    for size in sizes(est.layout.b):
+        other = res.evaluator.evaluate(dataclasses.replace(est.layout, b=size), est.partition)
+        for r in range(len(est.memory)):
+            val = float(memory_formula(res, est, r).subs({b: size, s: prof.seq_len}))
+            out.append((size, r, val, other.peak_memory[r]))
+    return out
+
+
+def test_memory_formula_predicts_larger_microbatches(gpt_profile):
+    for size, r, val, want in _formula_vs_estimate(gpt_profile, 8e9, lambda b: (2 * b, 4 * b, 16 * b)):
+        assert math.isclose(val, want, rel_tol=1e-6), (size, r, val, want)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="report.memory_formula counts the ZeRO-0/1 reduction buffers as constant, but the "
+                          "estimate counts only their excess over the activations and working set (max(0, "
+                          "buffers - activations - working)), which grows as b shrinks: the formula "
+                          "under-predicts a smaller microbatch")
+def test_memory_formula_predicts_smaller_microbatches(gpt_profile):
+    res = plan(gpt_profile, get_profile("h100"), Request(gpus=2, global_batch=8, memory_limit=8e9))
+    small = res.evaluator.evaluate(dataclasses.replace(res.chosen.layout, b=1), res.chosen.estimate.partition)
+    if not any(row["dp buckets"] + row["zero-1 buffers"] for row in small.memory):
+        raise RuntimeError("the plan at b=1 has no reduction-buffer excess: this case no longer shows the bug")
+    for size, r, val, want in _formula_vs_estimate(gpt_profile, 8e9, lambda b: (1,)):
+        assert math.isclose(val, want, rel_tol=1e-6), (size, r, val, want)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -155,8 +424,8 @@ def _brute_force(ev, lay, sched, frac, limit):
             ok = True
             for r in range(lay.pp):
                 stages = [s for s in range(S) if s2r[s] == r]
-                static = sum(ilp_unit_static(ev, u.kind, lay) for s in stages for u in ev.units[bounds[s]:bounds[s + 1]])
                 held = [u.kind for s in stages for u in ev.units[bounds[s]:bounds[s + 1]]]
+                static = sum(ilp_unit_static(ev, k, lay) for k in held)
                 fixed = sum(_fixed_memory(ev, lay, max(k.work_bytes for k in held) * sc,
                                           max(max(k.out_bytes, k.in_bytes) for k in held) * sc).values())
                 for v in vecs[r]:
@@ -167,13 +436,13 @@ def _brute_force(ev, lay, sched, frac, limit):
     return best
 
 
-@pytest.mark.parametrize("schedule,pp,m,limit_mb", [("1f1b", 2, 4, 64), ("zbv", 2, 4, 64), ("1f1b", 3, 3, 64),
-                                                     ("gpipe", 2, 8, 3)])
-def test_ilp_matches_brute_force(gpt_profile, schedule, pp, m, limit_mb):
-    ev = Evaluator(gpt_profile, get_profile("h100"), limit_mb * 2**20, global_batch=m * 2)
-    from autopar.schedules.registry import default_stages_per_rank
-
-    v = default_stages_per_rank(schedule)
+# limits: the GPU profile's 2 GiB runtime overhead plus a few hundred KiB, from no cut fitting
+# (gpipe, +0.6 MiB) through cuts that must recompute some or all stages to loose (+64 MiB)
+@pytest.mark.parametrize("schedule,pp,m,over_mib", [("1f1b", 2, 4, 64), ("1f1b", 2, 4, 0.8), ("zbv", 2, 4, 1.0),
+                                                    ("1f1b", 3, 3, 0.8), ("gpipe", 2, 8, 1.5), ("gpipe", 2, 8, 0.6)])
+def test_ilp_matches_brute_force(gpt_profile, schedule, pp, m, over_mib):
+    ev = Evaluator(gpt_profile, get_profile("h100"), 2 * GiB + over_mib * 2**20, global_batch=m * 2)
+    v = registry.default_stages_per_rank(schedule)
     lay = Layout(pp, 1, 1, 1, schedule, v, m, 2, 0)
     sched = build(schedule, pp, m, v)
     frac = 0.5
@@ -185,6 +454,8 @@ def test_ilp_matches_brute_force(gpt_profile, schedule, pp, m, limit_mb):
     assert res.status == "optimal"
     assert math.isclose(res.objective, expected, rel_tol=1e-5)
     assert 0.0 <= res.gap <= 1.0
+    # the ILP's memory accounting is conservative: its cut fits under the estimate's own walk too
+    assert max(ev.peak_memory_only(lay, res.partition)) <= ev.memory_limit
 
 
 def test_balanced_partition_is_optimal():
@@ -197,9 +468,18 @@ def test_balanced_partition_is_optimal():
 
 
 def test_price_matches_search(gpt_profile):
-    ev = Evaluator(gpt_profile, get_profile("cpu"), 1e9, 8)
-    c = price(ev, Layout(2, 1, 1, 1, "1f1b", 1, 4, 2, 0))
-    assert c.estimate is not None and c.estimate.feasible and c.estimate.step_time > 0
+    """``price`` (what the benchmarks compare with a measurement) gives a layout the boundaries,
+    recompute and time the exhaustive search gives it when every simulated layout gets the ILP."""
+    limit = 2 * GiB + 2**20
+    lay = Layout(2, 1, 1, 1, "1f1b", 1, 4, 2, 0)
+    c = price(Evaluator(gpt_profile, get_profile("h100"), limit, 8), lay)
+    req = Request(gpus=2, global_batch=8, memory_limit=limit, schedules=("1f1b",), zero_levels=(0,), allow_cp=False,
+                  exhaustive=True, top_ilp=10**6)
+    res = plan(gpt_profile, get_profile("h100"), req)
+    (s,) = [x for x in res.candidates if x.layout == lay]
+    assert c.estimate is not None and s.estimate is not None and c.estimate.feasible
+    assert c.estimate.partition == s.estimate.partition
+    assert math.isclose(c.estimate.step_time, s.estimate.step_time, rel_tol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,7 +503,18 @@ def test_cli_report_and_json(capsys):
         assert key in data, key
     assert data["pp"] * data["dp"] * data["cp"] == 2
     assert len(data["peak_memory_bytes"]) == data["pp"]
-    assert all(c["predicted_step_time_s"] >= data["predicted_step_time_s"] for c in data["candidates"])
+    # the defaults and the model reach the search: the profile's memory, the factory's parameters
+    # (the tied embedding / head once), and the plan fits
+    from autopar.examples.gpt import make_gpt
+
+    assert data["memory_limit_bytes"] == get_profile("h100").memory_bytes
+    assert data["parameters"] == sum(p.numel() for p in make_gpt()[0].parameters())
+    assert max(data["peak_memory_bytes"]) <= data["memory_limit_bytes"]
+    # the chosen plan is listed among the candidates, once, with the same layout and time
+    (me,) = [c for c in data["candidates"] if c["status"] == "chosen"]
+    assert all(me[k] == data[k] for k in ("pp", "dp", "cp", "ep", "schedule", "num_microbatches", "zero"))
+    assert me["predicted_step_time_s"] == data["predicted_step_time_s"]
+    assert len(data["stage_cuts"]) == data["pp"] * data["stages_per_rank"] - 1
 
 
 def test_cli_infeasible_exits_2(capsys):
