@@ -7,7 +7,7 @@ from autopar.errors import CaptureError
 from autopar.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "nn"]
+__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "MixedPrecision", "init_weights", "nn"]
 
 
 def __getattr__(name):
@@ -16,6 +16,14 @@ def __getattr__(name):
         from autopar import api
 
         return getattr(api, name)
+    if name == "MixedPrecision":
+        from autopar.precision import MixedPrecision
+
+        return MixedPrecision
+    if name == "init_weights":  # the eager reproduction of parallelize's initialization
+        from autopar.runtime.materialize import init_weights
+
+        return init_weights
     if name == "nn":  # autopar.nn.MoE without a separate import
         import importlib
 

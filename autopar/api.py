@@ -20,9 +20,9 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
-                example_target=None, timeout: float | None = None, generated: bool = True,
-                grad_reduce: str = "bucketed", bucket_mb: float = 25.0,
-                local_transfers: bool = False) -> "ParallelModel":
+                example_target=None, weights=None, mixed_precision=None, seed: int = 0, init_fn=None,
+                timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
+                bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
     """Parallelize ``model`` for training.
 
     ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
@@ -36,6 +36,17 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     ``autopar.nn.MoE``, ep; context parallelism is set explicitly (``Plan(cp=...)``).
     ``example_target``: a target batch, so the graph is captured now; otherwise capture waits
     for the first ``step`` (a loss_fn needs a target to be traced).
+    ``model`` may be built on the meta device (``with torch.device("meta"): model = M(cfg)``,
+    example inputs on the real device): each process then materializes only the parameters and
+    buffers its plan holds, from ``weights`` (a safetensors file, a Hugging Face-style directory
+    with ``model.safetensors.index.json``, a ``torch.save``d state dict, or a state dict; keyed by
+    the model's FQNs, each process reading only its tensors), else from the model's own init
+    (``init_fn(model)``, ``model.init_weights()`` or the modules' ``reset_parameters()``) run
+    with one generator per tensor seeded from ``seed`` and the tensor's FQN, so every plan gets
+    the same values as ``autopar.init_weights(model, seed)`` gives eagerly. ``weights`` also
+    loads a model that is already materialized.
+    ``mixed_precision``: an ``autopar.MixedPrecision`` (compute copies in ``param_dtype``, fp32
+    masters, fp32 gradient accumulation, reduction in ``reduce_dtype``; see design.md §5).
     ``timeout``: seconds a rank waits for a peer before reporting where every rank was
     (default: $AUTOPAR_TIMEOUT or 300). ``generated=False`` runs the per-rank action lists with
     the interpreter instead of the generated straight-line programs (same results).
@@ -56,6 +67,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
         _build.check_world(plan)
     seconds = float(timeout if timeout is not None else os.environ.get("AUTOPAR_TIMEOUT", "300"))
     pm = ParallelModel(model, loss_fn, plan, optimizer=optimizer, options=dict(
+        weights=weights, mixed_precision=mixed_precision, seed=seed, init_fn=init_fn,
         timeout=timedelta(seconds=seconds), generated=generated, grad_reduce=grad_reduce,
         bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers))
     if loss_fn is None or example_target is not None:
@@ -108,8 +120,7 @@ class ParallelModel:
         local = cp.local if cp is not None else (lambda t: t)
         # every cp rank holds 1/cp of each sequence: its local mean loss gets 1/cp of the weight
         n_total = plan.dp * m * plan.cp
-        for p in b.params.values():
-            p.grad = None
+        b.parallelisms["dp"].zero_grads()
         total = None
         for replica in ([b.mesh.dp_rank] if b.mesh is not None else range(plan.dp)):
             mbs = []
@@ -132,7 +143,7 @@ class ParallelModel:
         and expert-parallel shards are gathered first.
         """
         b = self._built
-        if b is None or b.mesh is None:
+        if b is None:
             return self.model.state_dict()
         whole = {}
         for owner in b.parallelisms.values():
@@ -144,7 +155,7 @@ class ParallelModel:
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load whole tensors by FQN: every rank writes what it holds, each owner its shards."""
         b = self._built
-        if b is None or b.mesh is None:
+        if b is None:
             return self.model.load_state_dict(state_dict, strict=strict)
         current = self.model.state_dict(keep_vars=True)
         missing = [k for k in current if k not in state_dict]
@@ -154,7 +165,8 @@ class ParallelModel:
                                f"{unexpected[:5]} (strict=True)")
         canonical = b.parallelisms["pp"].canonical
         sharded = set().union(*(o.sharded for o in b.parallelisms.values()))
-        plain = [k for k in current if k in state_dict and canonical.get(k, k) not in sharded]
+        plain = [k for k in current if k in state_dict and canonical.get(k, k) not in sharded
+                 and not current[k].is_meta]  # a tensor of another rank's stage stays on meta
         wrong = [k for k in plain if tuple(current[k].shape) != tuple(state_dict[k].shape)]
         if wrong:
             k = wrong[0]

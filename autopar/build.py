@@ -3,15 +3,19 @@
 ``build`` is a flat list of steps, each a function with keyword arguments and one log line:
 
     plan        the planner's choice when no plan is given (rank 0 decides, every rank takes it)
-    validate    the plan resolved for the batch (microbatch count), checked against the world
+    validate    the plan resolved for the batch (microbatch count), checked against the world;
+                the checkpoint's names, shapes and dtypes checked against the model's
     mesh        every process group (distributed mode only)
     module      module rewrites before capture (ExpertParallel)
-    capture     model + loss on one microbatch (passes/capture.py)
+    capture     model + loss on one microbatch (passes/capture.py); a model on the meta device
+                or under mixed precision is captured on fake tensors of the compute dtype
     graph       graph rewrites of the capture (ContextParallel)
     split       pipeline stages (passes/split_stages.py) and the schedule (schedules/)
     programs    F/I/W/B of this process's stages (passes/split_backward.stage_programs)
-    executor    the step's owners (PipelineParallel, DataParallel: may rewrite the programs,
-                ZeRO-3) and the local or distributed executor (runtime/)
+    executor    the step's owners: PipelineParallel, DataParallel (materializes what this
+                process trains from the live model, a checkpoint or the init; masters, compute
+                copies, ZeRO storage; may rewrite the programs, ZeRO-3), then the rest of what
+                this process holds, and the local or distributed executor (runtime/)
     optimizer   the user's optimizer, wrapped by the data-parallel owner for its ZeRO level
 
 The planner's profiler (planner/profile.py) uses the same ``stage_programs`` step.
@@ -52,6 +56,7 @@ class Built:
     parallelisms: dict = field(default_factory=dict)  # name ("pp", "dp", "cp", "ep") -> owner
     optimizer: object = None
     planner_summary: str | None = None
+    checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
 
     @property
     def num_microbatches(self) -> int:
@@ -59,42 +64,49 @@ class Built:
 
 
 def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
-          timeout=None, generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
-          local_transfers: bool = False) -> Built:
+          weights=None, mixed_precision=None, seed: int = 0, init_fn=None, timeout=None, generated: bool = True,
+          grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20, local_transfers: bool = False) -> Built:
     """Every step of ``parallelize`` after its argument checks (see the module docstring)."""
     batch = batch_size(inputs, target)
     summary = None
     if plan is None:
-        plan, summary = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch)
-    plan = validate(plan=plan, batch=batch)
+        plan, summary = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
+                                    precision=mixed_precision)
+    whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
+    plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
+                                precision=mixed_precision, init_fn=init_fn)
     mesh = make_mesh(plan=plan, timeout=timeout)
     owners = rewrite_module(model=model, plan=plan, mesh=mesh, inputs=inputs, target=target)
-    params = unique_params(model)
     mb = batch // (plan.dp * plan.num_microbatches)
     cp = owners.get("cp")
     local = cp.local if cp is not None else (lambda t: t)
     captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
-                                  target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn)
+                                  target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
+                                  precision=mixed_precision)
     captured = rewrite_graph(captured=captured, owners=owners)
     stages, schedule = split(captured=captured, plan=plan)
+    params = unique_params(model)
     trainable = {f for f, p in params.items() if p.requires_grad}
     programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
+    values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
+                           owners=owners, device=input_device(inputs))
     executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
                                        schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
-                                       trainable=trainable, timeout=timeout, generated=generated,
+                                       trainable=trainable, values=values, precision=mixed_precision,
+                                       device=input_device(inputs), timeout=timeout, generated=generated,
                                        grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
                                        local_transfers=local_transfers)
-    opt = make_optimizer(factory=optimizer, owners=owners, params=params)
+    opt = make_optimizer(factory=optimizer, owners=owners)
     return Built(plan=plan, captured=captured, stages=stages, programs=programs, schedule=schedule,
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
-                 optimizer=opt, planner_summary=summary)
+                 optimizer=opt, planner_summary=summary, checkpoint=checkpoint[0] if checkpoint else None)
 
 
 # -- the steps --------------------------------------------------------------------------------
 
 
-def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int) -> tuple[Plan, str]:
+def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None) -> tuple[Plan, str]:
     """Ask the planner for this world; rank 0 decides (device profiles are measured per process,
     so ranks could disagree) and broadcasts the plan."""
     world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if distributed() else (1, 0)
@@ -116,7 +128,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int)
         # cp > 1 would then fail; set Plan(cp=...). EP is, for models built from autopar.nn.MoE
         experts = [m.n_experts for m in model.modules() if isinstance(m, MoE)]
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                                memory_limit=limit, allow_cp=False, allow_ep=bool(experts),
+                                memory_limit=limit, allow_cp=False, allow_ep=bool(experts), precision=precision,
                                 n_experts=min(experts, default=0), expert_prefixes=("experts.",),
                                 zero_levels=(0, 1, 2, 3), name=type(model).__name__,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
@@ -150,10 +162,27 @@ def check_world(plan: Plan) -> None:
                          f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
 
 
-def validate(*, plan: Plan, batch: int) -> Plan:
-    """The plan with its microbatch count resolved; ValueError (before any communication) when
-    it does not fit the batch or the world."""
+def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, precision, init_fn):
+    """(the plan with its microbatch count resolved, the checkpoint reader and the name to read
+    for every model tensor, or None); ValueError (before any communication) when the plan does
+    not fit the batch or the world, or the checkpoint does not fit the model."""
     check_world(plan)
+    if precision is not None and plan.ep > 1:
+        raise ValueError(f"autopar: mixed precision with ep={plan.ep} is not supported yet (expert shards would need "
+                         "their own fp32 masters); use ep=1 or mixed_precision=None")
+    checkpoint = None
+    if weights is not None:
+        from autopar.runtime.weights import check_against, open_weights
+
+        reader = open_weights(weights)
+        checkpoint = (reader, check_against(reader, whole, aliases_of(model)))
+    elif any(t.is_meta for t in model.state_dict(keep_vars=True).values()):
+        from autopar.runtime.materialize import has_init
+
+        if not has_init(model, init_fn):
+            raise ValueError(f"autopar: {type(model).__name__} is on the meta device and nothing gives it values: pass "
+                             "weights= (a checkpoint), init_fn=, or give the model an init_weights() or its modules "
+                             "reset_parameters()")
     if not distributed() and (plan.cp > 1 or plan.ep > 1):
         raise ValueError(f"autopar: cp={plan.cp}, ep={plan.ep} need one process per rank (they exchange data by "
                          "all-to-all); launch under torchrun (or `autopar demo --nproc N`), or use cp=1, ep=1")
@@ -166,7 +195,7 @@ def validate(*, plan: Plan, batch: int) -> Plan:
     plan = replace(plan, num_microbatches=m)
     log.info("autopar: plan pp=%d dp=%d cp=%d ep=%d %s, %d stages, %d microbatches of %d, ZeRO-%d", plan.pp, plan.dp,
              plan.cp, plan.ep, plan.schedule, plan.num_stages, m, batch // (plan.dp * m), plan.zero)
-    return plan
+    return plan, checkpoint
 
 
 def make_mesh(*, plan: Plan, timeout):
@@ -197,11 +226,32 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
     return owners
 
 
-def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn):
+def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None):
+    """The capture of one microbatch. A model with tensors on the meta device, or under mixed
+    precision, is captured with fake tensors in place of its own (floating parameters in the
+    compute dtype) and fake inputs: shapes and dtypes are all a capture reads."""
     from autopar import passes
 
     t0 = time.perf_counter()
-    captured = passes.capture(model, inputs, target, loss_fn)  # looked up here: tests may memoize it
+    tensors = model.state_dict(keep_vars=True)
+    if precision is None and not any(t.is_meta for t in tensors.values()):
+        captured = passes.capture(model, inputs, target, loss_fn)  # looked up here: tests may memoize it
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        from autopar.runtime.materialize import swapped
+
+        device = input_device(inputs)
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        params = {id(p) for p in model.parameters()}
+        with mode:
+            fakes = {f: torch.empty(t.shape, device=device, dtype=precision.param_dtype
+                                    if precision is not None and id(t) in params and t.is_floating_point() else t.dtype)
+                     for f, t in tensors.items()}
+            fake_in = tuple(torch.empty_like(x, device=device) for x in inputs)
+            fake_target = torch.empty_like(target, device=device) if target is not None else None
+        with swapped(model, fakes):
+            captured = passes.capture(model, fake_in, fake_target, loss_fn)
     log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
     return captured
 
@@ -236,50 +286,89 @@ def make_programs(*, stages: list, schedule, plan: Plan, mesh, trainable: set[st
     return programs
 
 
+def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_fn, owners: dict, device):
+    """``values(fqns) -> {fqn: tensor}``: the values this process gives the tensors it holds and
+    that are on the meta device, from the checkpoint (non-persistent buffers from the init) or
+    the init, as this process keeps them (an expert shard's rows), on ``device``."""
+    from autopar.runtime.materialize import CheckpointValues, InitValues, has_init
+
+    init = None
+    if has_init(model, init_fn):
+        init = InitValues(model, seed, init_fn, {f: s for f, (s, _d) in whole.items()},
+                          {f: d for f, (_s, d) in whole.items()})
+    source = init if checkpoint is None else CheckpointValues(*checkpoint, init, {f: d for f, (_s, d) in whole.items()})
+    rows = {f: sh.rows for f, sh in owners["ep"].shards.items()} if "ep" in owners else {}
+
+    def values(fqns):
+        if source is None:
+            raise AssertionError("validate() let a meta model through without weights or an init")
+        out = {}
+        for f in fqns:  # an expert shard: read only the rows this rank keeps
+            if f in rows and isinstance(source, CheckpointValues) and f in source.source_of:
+                out[f] = source.rows(f, rows[f])
+        for f, v in source.get([f for f in fqns if f not in out]).items():
+            out[f] = v[rows[f]] if f in rows else v
+        return {f: v.to(device) for f, v in out.items()}
+
+    return values
+
+
 def make_executor(*, model: nn.Module, captured, stages: list, programs: list, schedule, plan: Plan, mesh,
-                  owners: dict, params: dict, trainable: set[str], timeout, generated: bool, grad_reduce: str,
-                  bucket_bytes: int, local_transfers: bool):
-    """The pipeline and data-parallel owners, then the executor; returns it and the programs
-    as it runs them (ZeRO-3 rewrites them)."""
+                  owners: dict, params: dict, trainable: set[str], values, precision, device, timeout,
+                  generated: bool, grad_reduce: str, bucket_bytes: int, local_transfers: bool):
+    """The pipeline and data-parallel owners, the rest of this process's tensors, then the
+    executor; returns it and the programs as it runs them (ZeRO-3 rewrites them)."""
+    from autopar.parallel.data import DataParallel
     from autopar.parallel.pipeline import PipelineParallel
     from autopar.passes import keys
+    from autopar.runtime.materialize import assign
     from autopar.runtime.streams import CommStream
 
-    device = next(iter(params.values())).device if params else torch.device("cpu")
-    state = keys.state(params, dict(model.named_buffers()), captured.constants)
     pipeline = PipelineParallel(schedule=schedule, stages=stages, trainable=trainable, aliases=captured.aliases,
-                                mesh=mesh, timeout=timeout)
+                                mesh=mesh, timeout=timeout, device=device)
     owners["pp"] = pipeline
+    mine = pipeline.my_stages
+    comm = CommStream(device)
+    dp = DataParallel(zero=plan.zero, mesh=mesh, model=model, params=params,
+                      stage_params={s: programs[s].grad_params for s in mine},
+                      expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
+                      grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm,
+                      precision=precision, values=values, device=device)
+    owners["dp"] = dp
+    # what else this process's stages read: parameters without a gradient, buffers (compute dtype)
+    held_params, held_buffers = pipeline.held(stages)
+    rest = {f: t for f, t in model.state_dict(keep_vars=True).items()
+            if t.is_meta and (f in held_buffers or (f in held_params and f not in dp.trained and f not in dp.sharded))}
+    if rest:
+        got = values(rest)
+        if precision is not None:
+            got = {f: v.to(precision.param_dtype) if f in held_params and v.is_floating_point() else v
+                   for f, v in got.items()}
+        assign(model, got)
+    params.update(unique_params(model))
+    state = keys.state(params, dict(model.named_buffers()), captured.constants)
+    materialized = sum(t.numel() * t.element_size() for t in params.values() if not t.is_meta)
+    log.info("autopar: %.1f MiB of parameters on this process (%d of %d tensors real)", materialized / 2**20,
+             sum(1 for t in params.values() if not t.is_meta and t.numel()), len(params))
     if mesh is None:
         from autopar.runtime.local import LocalPipeline
 
         transfers = CommStream(device) if local_transfers else None
-        return LocalPipeline(programs, schedule, state, params, transfers=transfers), programs
-    from autopar.parallel.data import DataParallel
+        return LocalPipeline(programs, schedule, state, dp.grads, transfers=transfers), programs
     from autopar.runtime.distributed import DistributedPipeline
 
-    comm = CommStream(device)
-    mine = pipeline.my_stages
-    dp = DataParallel(zero=plan.zero, mesh=mesh, params=params, stage_params={s: programs[s].grad_params for s in mine},
-                      expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
-                      grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm)
-    owners["dp"] = dp
     rewritten = dp.rewrite_programs({s: programs[s] for s in mine})
     programs = [rewritten.get(s, p) for s, p in enumerate(programs)]
-    executor = DistributedPipeline(programs, schedule, schedules.lower(schedule), state, params, mesh, timeout, device,
+    executor = DistributedPipeline(programs, schedule, schedules.lower(schedule), state, mesh, timeout, device,
                                    data_parallel=dp, pipeline=pipeline, generated=generated, comm=comm)
     log.info("autopar: rank %d runs stages %s%s", mesh.rank, mine, f", ZeRO-{dp.zero}" if dp.zero else "")
     return executor, programs
 
 
-def make_optimizer(*, factory, owners: dict, params: dict):
-    """The user's optimizer over what this process trains (None without a factory)."""
-    if factory is None:
-        return None
-    dp = owners.get("dp")
-    if dp is None:  # local mode: every rank's parameters, unsharded
-        return factory([p for p in params.values() if p.requires_grad])
-    return dp.make_optimizer(factory)
+def make_optimizer(*, factory, owners: dict):
+    """The user's optimizer over what this process trains, wrapped for the ZeRO level and the
+    masters of mixed precision (None without a factory)."""
+    return None if factory is None else owners["dp"].make_optimizer(factory)
 
 
 # -- helpers ----------------------------------------------------------------------------------
@@ -287,6 +376,18 @@ def make_optimizer(*, factory, owners: dict, params: dict):
 
 def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def input_device(inputs: tuple) -> torch.device:
+    return inputs[0].device if inputs else torch.device("cpu")
+
+
+def aliases_of(model: nn.Module) -> dict[str, list[str]]:
+    """Canonical FQN -> every name of that parameter (tied weights have several)."""
+    names: dict[int, list[str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(fqn)
+    return {v[0]: v for v in names.values() if len(v) > 1}
 
 
 def unique_params(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -156,6 +156,11 @@ class MoE(nn.Module):
         else:
             self.e_score_correction_bias = None
 
+    def reset_parameters(self) -> None:
+        """The selection bias starts at zero (the router and experts reset themselves)."""
+        if self.e_score_correction_bias is not None:
+            nn.init.zeros_(self.e_score_correction_bias)
+
     # -- routing -------------------------------------------------------------------------
     def route(self, x: torch.Tensor):
         """``x[N, d]`` -> (expert ids ``[N, k]`` int64, gates ``[N, k]`` fp32, probs ``[N, E]`` fp32).

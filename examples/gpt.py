@@ -95,9 +95,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter, two users
-        self._init_weights()
+        self.init_weights()
 
-    def _init_weights(self) -> None:
+    def init_weights(self) -> None:
+        """GPT-2's init (also what ``autopar.parallelize`` runs for a model built on meta)."""
         std = 0.02
         # residual projections scaled down with depth (GPT-2)
         proj_std = std / math.sqrt(2 * max(self.cfg.n_layer, 1))

@@ -96,6 +96,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -243,7 +246,7 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.rope_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
-        self._init_weights()
+        self.init_weights()
 
     @property
     def is_moe(self) -> bool:
@@ -257,7 +260,13 @@ class Llama(nn.Module):
             self.freqs_cos.copy_(cos)
             self.freqs_sin.copy_(sin)
 
-    def _init_weights(self) -> None:
+    def init_weights(self) -> None:
+        """Weights (normal, residual projections scaled with depth; grouped experts and norms by
+        their modules) and the RoPE tables: what ``autopar.parallelize`` runs for a meta model."""
+        for m in self.modules():
+            if m is not self and callable(getattr(m, "reset_parameters", None)):
+                m.reset_parameters()
+        self.reset_rope()
         std = 0.02
         out_std = std / math.sqrt(2 * max(self.cfg.n_layers, 1))
         for name, p in self.named_parameters():

@@ -22,10 +22,10 @@ class PipelineParallel(Parallelism):
     name = "pp"
 
     def __init__(self, *, schedule, stages, trainable: set[str], aliases: dict[str, list[str]],
-                 mesh: Mesh | None = None, timeout: timedelta | None = None):
+                 mesh: Mesh | None = None, timeout: timedelta | None = None, device: torch.device | None = None):
         """``aliases``: canonical FQN -> every name of that parameter (tied weights).
         With a mesh, creates the tied-parameter groups (collective: every rank, same order)."""
-        self.schedule, self.mesh = schedule, mesh
+        self.schedule, self.mesh, self.device = schedule, mesh, device
         self.rank = mesh.pp_rank if mesh is not None else None
         self.owner_of: dict[str, int] = {}
         for st in stages:
@@ -41,16 +41,19 @@ class PipelineParallel(Parallelism):
         s2r = self.schedule.stage_to_rank
         return [s for s in range(len(s2r)) if self.rank is None or s2r[s] == self.rank]
 
-    def sum_tied_gradients(self, params: dict, skip) -> None:
-        """Sum each tied parameter's gradient over the pipeline ranks holding it (``skip(fqn)``:
-        another owner sums it, e.g. inside a ZeRO flat buffer)."""
+    def sum_tied_gradients(self, grads, skip) -> None:
+        """Sum each tied parameter's gradient (``grads.accumulator``) over the pipeline ranks
+        holding it (``skip(fqn)``: another owner sums it, e.g. inside a ZeRO flat buffer)."""
         for fqn, group in self.mesh.tied_groups.items():
-            if skip(fqn):
-                continue
-            p = params[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            comms.all_reduce_sum(p.grad, group=group)
+            if not skip(fqn):
+                comms.all_reduce_sum(grads.accumulator(fqn), group=group)
+
+    def held(self, stages) -> tuple[set[str], set[str]]:
+        """(parameter FQNs, buffer FQNs) this process's stages use."""
+        mine = set(self.my_stages)
+        params = {f for st in stages if st.index in mine for f in st.params}
+        buffers = {f for st in stages if st.index in mine for f in st.buffers}
+        return params, buffers
 
     def gather_state(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Every name's whole value from the pipeline rank that owns it (collective over the
@@ -64,7 +67,7 @@ class PipelineParallel(Parallelism):
                 out[name] = done[canon]
                 continue
             owner = self.owner_of.get(canon)
-            v = t.detach().clone()
+            v = t.detach().clone() if not t.is_meta else torch.empty(t.shape, dtype=t.dtype, device=self.device)
             if owner is not None and self.mesh is not None and self.mesh.pp > 1:
                 comms.broadcast(v, src=self.mesh.global_rank(owner), group=self.mesh.pp_group)
             out[name] = done[canon] = v

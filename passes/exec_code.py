@@ -63,7 +63,8 @@ class _BoxedCodeGen(fx.graph.CodeGen):
         return f"{head}\n    {unpack} = args\n    args.clear()"
 
 
-def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) -> Callable:
+def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = (),
+                          into_dtypes: tuple | None = None) -> Callable:
     """``fn(args: list)`` computing gm's results from gm's arguments (run it under no_grad).
 
     Boxed: ``fn`` empties ``args`` on entry, so a caller that hands over its only reference to
@@ -74,7 +75,9 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) 
     order (appended to ``args``), adds the result into it in place and returns it there. A
     result that is a matmul (``mm``, or ``t(mm)``) becomes ``addmm_`` into the accumulator, so
     the gradient of a linear layer is accumulated inside the GEMM (C += A B), with no separate
-    sum over memory.
+    sum over memory. ``into_dtypes``: the accumulators' dtypes (None: each result's own); a
+    result whose accumulator has another dtype (an fp32 accumulator of a bf16 gradient, mixed
+    precision) is cast as it is added (``add_``), never fused into the GEMM.
     """
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
@@ -82,7 +85,7 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = ()) 
     graph.output(out)
     simplify(graph)
     if accumulate:
-        accumulate_into_arguments(graph, accumulate)
+        accumulate_into_arguments(graph, accumulate, into_dtypes)
     graph._codegen = _BoxedCodeGen()
     code = graph.python_code(root_module="self")
     glb = dict(code.globals)
@@ -176,8 +179,9 @@ def _merge_masked_backward(graph: fx.Graph) -> None:
             graph.erase_node(node)
 
 
-def accumulate_into_arguments(graph: fx.Graph, indices: tuple[int, ...]) -> None:
-    """Rewrite results ``indices`` as in-place accumulations into new trailing arguments."""
+def accumulate_into_arguments(graph: fx.Graph, indices: tuple[int, ...], into_dtypes: tuple | None = None) -> None:
+    """Rewrite results ``indices`` as in-place accumulations into new trailing arguments (of
+    ``into_dtypes``, default each result's dtype: only then can a matmul accumulate in place)."""
     output = next(n for n in reversed(graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
@@ -185,7 +189,9 @@ def accumulate_into_arguments(graph: fx.Graph, indices: tuple[int, ...]) -> None
         with graph.inserting_before(first_op):
             acc = graph.placeholder(f"accumulate_{j}")
         value = outs[i]
-        alone = isinstance(value, fx.Node) and outs.count(value) == 1 and len(value.users) == 1
+        val = value.meta.get("val") if isinstance(value, fx.Node) else None
+        same_dtype = into_dtypes is None or (val is not None and val.dtype == into_dtypes[j])
+        alone = same_dtype and isinstance(value, fx.Node) and outs.count(value) == 1 and len(value.users) == 1
         fused = None
         if alone and value.op == "call_function" and value.target is aten.mm.default:
             with graph.inserting_before(value):

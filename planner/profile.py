@@ -271,17 +271,26 @@ def _experts(specs, is_expert) -> frozenset:
     return frozenset(s.fqn for s in specs if is_expert(s.fqn))
 
 
-def _fakeify(model: torch.nn.Module, inputs: tuple, target):
-    """Meta modules/tensors -> fake CPU ones (no storage); real ones are returned unchanged."""
+def _fakeify(model: torch.nn.Module, inputs: tuple, target, param_dtype=None):
+    """Meta modules/tensors -> fake CPU ones (no storage), floating parameters cast to
+    ``param_dtype`` if given; a real model without a dtype is returned unchanged."""
     metas = [t.is_meta for t in list(model.parameters()) + list(model.buffers())]
     metas += [x.is_meta for x in inputs if isinstance(x, torch.Tensor)]
-    if not any(metas):
+    if not any(metas) and param_dtype is None:
         return model, inputs, target
+    import copy
+
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    if not any(metas):  # a real model: profile a storage-less copy
+        model = copy.deepcopy(model).to("meta")
     with mode:
         model = model.to_empty(device="cpu")
+        if param_dtype is not None:
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.data = p.data.to(param_dtype)
         inputs = tuple(torch.empty_like(x, device="cpu") if isinstance(x, torch.Tensor) else x for x in inputs)
         if isinstance(target, torch.Tensor):
             target = torch.empty_like(target, device="cpu")
@@ -585,7 +594,7 @@ def attention_heads(gm: torch.fx.GraphModule) -> int:
 def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=None, *, name: str = "model",
                   layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
                   n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
-                  progress: Callable[[str], None] | None = None) -> ModelProfile:
+                  progress: Callable[[str], None] | None = None, param_dtype=None) -> ModelProfile:
     """Capture ``model`` on one microbatch and cost every unit (see the module docstring).
 
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
@@ -604,7 +613,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     if seq_len is None and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() >= 2:
         seq_len = int(inputs[0].shape[1])
     t0 = time.perf_counter()
-    fmodel, finputs, ftarget = _fakeify(model, inputs, target)
+    fmodel, finputs, ftarget = _fakeify(model, inputs, target, param_dtype)
     say(f"capturing {name} ...")
     captured = capture(fmodel, finputs, ftarget, loss_fn)
     capture_s = time.perf_counter() - t0

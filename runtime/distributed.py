@@ -41,9 +41,9 @@ class DistributedPipeline:
     straight-line step (runtime/codegen.py) instead of interpreting the action list.
     """
 
-    def __init__(self, programs: list[StageProgram | StageInfo], schedule, lowered, state: dict,
-                 params: dict[str, torch.nn.Parameter], mesh: Mesh, timeout: timedelta, device: torch.device, *,
-                 data_parallel, pipeline, generated: bool = True, comm: CommStream | None = None):
+    def __init__(self, programs: list[StageProgram | StageInfo], schedule, lowered, state: dict, mesh: Mesh,
+                 timeout: timedelta, device: torch.device, *, data_parallel, pipeline, generated: bool = True,
+                 comm: CommStream | None = None):
         self.schedule = schedule
         self.lowered = lowered
         self.mesh = mesh
@@ -52,12 +52,11 @@ class DistributedPipeline:
         self.comm = comm if comm is not None else CommStream(device)  # CUDA: P2P and reductions on a side stream
         self.owner = schedule.stage_to_rank
         self.my_stages = [s for s in range(schedule.num_stages) if self.owner[s] == mesh.pp_rank]
-        self.params = params
         self.dp = data_parallel
         self.pipeline = pipeline
         self.programs = programs
-        self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state, params,
-                              grad_sink=data_parallel.grad_sink)
+        self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state,
+                              data_parallel.grads, grad_sink=data_parallel.grad_sink)
         self.executed: list[str] = []
         self.position = "not started"
         self.step_index = 0
@@ -245,7 +244,7 @@ class DistributedPipeline:
     # -- gradient and loss reduction --------------------------------------------------------------
 
     def _sync_grads(self) -> None:
-        self.pipeline.sum_tied_gradients(self.params, skip=self.dp.sums_tied)
+        self.pipeline.sum_tied_gradients(self.dp.grads, skip=self.dp.sums_tied)
         self.dp.finish()
 
     def _stage_progress(self, s: int) -> None:

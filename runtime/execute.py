@@ -33,7 +33,7 @@ def run(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = 
         args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in program.args]
     if accumulate:
         args += into
-    fn = executable(program, accumulate)
+    fn = executable(program, accumulate, tuple(t.dtype for t in into) if accumulate else ())
     # The programs are already forward+backward: autograd must not record them again (it
     # would cost time and keep I's intermediates alive through the gradients it returns).
     with torch.no_grad():
@@ -41,19 +41,20 @@ def run(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = 
     env.update(zip(program.results, outs))
 
 
-def executable(program: Program, accumulate: tuple[str, ...] = ()):
+def executable(program: Program, accumulate: tuple[str, ...] = (), into_dtypes: tuple = ()):
     """The program compiled for running: ``fn(args: list)``, boxed; the results named in
-    ``accumulate`` are added into extra trailing arguments. Rebuilt if the GraphModule was
-    recompiled."""
+    ``accumulate`` are added into extra trailing arguments of ``into_dtypes`` (default: each
+    result's own dtype). Rebuilt if the GraphModule was recompiled."""
     gm = program.gm
     code = gm.code
     entry = gm.__dict__.get(_CACHE)
     if entry is None or entry[0] is not code:
         entry = gm.__dict__[_CACHE] = (code, {})
-    fn = entry[1].get(accumulate)
+    fn = entry[1].get((accumulate, into_dtypes))
     if fn is None:
         index = {k: i for i, k in enumerate(program.results)}
-        fn = entry[1][accumulate] = compile_for_execution(gm, tuple(index[k] for k in accumulate))
+        fn = entry[1][accumulate, into_dtypes] = compile_for_execution(
+            gm, tuple(index[k] for k in accumulate), into_dtypes or None)
     return fn
 
 

@@ -20,9 +20,11 @@ from . import comms
 
 
 class BucketedReducer:
-    def __init__(self, params: dict[str, torch.nn.Parameter], stage_params: dict[int, list[str]], dp_group,
-                 bucket_bytes: int, deferred: set[str], comm=None):
-        self.params = params
+    def __init__(self, grads, numel: dict[str, int], stage_params: dict[int, list[str]], dp_group,
+                 bucket_bytes: int, deferred: set[str], comm=None, dtype: torch.dtype = torch.float32):
+        """``grads.accumulator(fqn)``: the gradient to reduce (runtime/stage_work.ParamGrads);
+        ``numel``: elements per FQN; ``dtype``: what the sums run in (fp32 by default)."""
+        self.grads, self.numel, self.dtype = grads, numel, dtype
         self.comm = comm  # runtime/streams.CommStream: CUDA launches the all-reduce on its side stream
         self.group = dp_group
         self.bucket_bytes = bucket_bytes
@@ -48,17 +50,16 @@ class BucketedReducer:
                     self._add(fqn)
 
     def _add(self, fqn: str) -> None:
-        p = self.params[fqn]
         self.bucket.append(fqn)
-        self.bucket_size += p.numel() * 4
+        self.bucket_size += self.numel[fqn] * 4
         if self.bucket_size >= self.bucket_bytes:
             self._launch()
 
     def _launch(self) -> None:
         if not self.bucket:
             return
-        grads = [_grad(self.params[f]) for f in self.bucket]
-        flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])  # fp32 on the wire
+        grads = [self.grads.accumulator(f) for f in self.bucket]  # zeros for one no microbatch reached
+        flat = torch.cat([g.reshape(-1).to(self.dtype) for g in grads])  # fp32 (reduce dtype) on the wire
         with self.comm.launch() if self.comm is not None else contextlib.nullcontext():
             work = comms.all_reduce_sum(flat, group=self.group, async_op=True)
         self.inflight.append((work, flat, self.bucket))
@@ -72,19 +73,19 @@ class BucketedReducer:
             work.wait(timeout)
             offset = 0
             for fqn in names:
-                g = self.params[fqn].grad
+                g = self.grads.accumulator(fqn)
                 n = g.numel()
                 g.copy_(flat[offset: offset + n].view_as(g))
                 offset += n
         self.inflight = []
 
 
-def naive_all_reduce(params: dict[str, torch.nn.Parameter], names, dp_group) -> None:
+def naive_all_reduce(grads, names, dp_group, dtype: torch.dtype = torch.float32) -> None:
+    """One blocking all-reduce per gradient, in ``dtype`` (``grads.accumulator``: zeros for a
+    parameter no microbatch reached, which still joins the sum)."""
     for fqn in names:
-        comms.all_reduce_sum(_grad(params[fqn]), group=dp_group)
-
-
-def _grad(p: torch.nn.Parameter) -> torch.Tensor:
-    if p.grad is None:  # a parameter this rank holds but no microbatch reached: it still joins the sum
-        p.grad = torch.zeros_like(p)
-    return p.grad
+        g = grads.accumulator(fqn)
+        wire = g if g.dtype == dtype else g.to(dtype)
+        comms.all_reduce_sum(wire, group=dp_group)
+        if wire is not g:
+            g.copy_(wire)

@@ -21,11 +21,11 @@ class LocalPipeline:
     """Runs a schedule's per-rank action lists over the stage programs, all in this process.
 
     ``state`` maps ``param:<fqn>`` / ``buffer:<fqn>`` / ``const:<name>`` keys to the live tensors;
-    ``params`` maps canonical FQNs to the Parameters whose ``.grad`` receives the gradients.
+    ``grads`` is where the gradients accumulate (a runtime/stage_work.ParamGrads, or a dict of
+    canonical FQN -> Parameter, whose ``.grad`` then receives them).
     """
 
-    def __init__(self, programs: list[StageProgram], schedule, state: dict, params: dict[str, torch.nn.Parameter],
-                 transfers=None):
+    def __init__(self, programs: list[StageProgram], schedule, state: dict, grads, transfers=None):
         self.programs = programs
         # runtime/streams.CommStream or None: values crossing pipeline ranks are copied on its
         # side stream and waited for by their consumer (a stand-in for P2P on one device)
@@ -37,7 +37,7 @@ class LocalPipeline:
         for s in range(1, self.num_stages):
             prev, cur = programs[s - 1], programs[s]
             assert set(cur.grad_inputs) == set(prev.diff_outputs), (s, cur.grad_inputs, prev.diff_outputs)
-        self.work = StageWork(dict(enumerate(programs)), self.num_stages, state, params)
+        self.work = StageWork(dict(enumerate(programs)), self.num_stages, state, grads)
         self.executed: list[list[str]] = []  # per rank, the compute actions in the order they ran
 
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:

@@ -74,34 +74,48 @@ class ShardedParameters:
     by ``layout``; also the fetch/release hooks the ZeRO-3 programs call."""
 
     def __init__(self, params: dict[str, nn.Parameter], layout: ZeroLayout, stage_params: dict[int, list[str]],
-                 group, replica: int, tied_groups: dict, timeout):
+                 group, replica: int, tied_groups: dict, timeout, values=None, dtype: torch.dtype | None = None,
+                 device: torch.device | None = None):
+        """``params``: FQN -> the Parameter the programs read (ZeRO-2 writes the stepped values
+        into it; the caller keeps the dict current); ``values(fqns)``: whole values of a group's
+        parameters, fetched one group at a time to build the fp32 master shards (default: the
+        parameters themselves); ``dtype``: the compute dtype of the gather buffers and the
+        resident group (default: the parameters'). The storage never changes a Parameter: the
+        caller frees or replaces them (parallel/data.py)."""
         self.params, self.zero, self.group, self.layout = params, layout.zero, group, layout
         self.replicas, self.replica, self.tied_groups, self.timeout = layout.replicas, replica, tied_groups, timeout
         users: dict[str, set[int]] = {}
         for s, names in stage_params.items():
             for fqn in names:
                 users.setdefault(fqn, set()).add(s)
+        self.device = device = device or torch.device("cpu")
+        if values is None:
+            def values(fqns):
+                return {f: params[f].detach() for f in fqns}
         self.groups: list[FlatGroup] = []
+        resident_flat = None
         for spec in layout.groups:
             fqns = spec.fqns
             dtypes = {params[f].dtype for f in fqns}
             if len(dtypes) > 1:
                 raise ValueError(f"autopar: ZeRO layer group {spec.name!r} mixes dtypes {sorted(map(str, dtypes))}; "
                                  "give the parameters of one layer one dtype")
-            g = FlatGroup(spec.name, fqns, spec.shapes, spec.offsets, spec.numel, spec.padded, dtypes.pop(),
+            g = FlatGroup(spec.name, fqns, spec.shapes, spec.offsets, spec.numel, spec.padded, dtype or dtypes.pop(),
                           streamed=spec.streamed, tied=fqns[0] if spec.tied else None,
                           stages=frozenset(s for f in fqns for s in users[f]))
             shard = layout.shard(spec)
             with torch.no_grad():
-                flat = self._flatten(g, [params[f].detach() for f in fqns])
-                g.master = nn.Parameter(flat[replica * shard: (replica + 1) * shard].to(torch.float32).clone())
+                got = values(fqns)
+                flat = self._flatten(g, [got[f].to(device) for f in fqns], torch.float32)
+                g.master = nn.Parameter(flat[replica * shard: (replica + 1) * shard].clone())
+                if self.zero == 3 and not g.streamed:
+                    resident_flat = flat.to(g.dtype)
+            del got, flat
             self.groups.append(g)
         self.group_of = {f: g for g in self.groups for f in g.fqns}
         # flat offset of every parameter in its group (read for every gradient of every W)
         self.offset_of = {f: o for g in self.groups for f, o in zip(g.fqns, g.offsets)}
         self.by_name = {g.name: g for g in self.groups}
-        device = next(iter(params.values())).device if params else torch.device("cpu")
-        self.device = device
         # ZeRO-3: two alternating gather buffers, sized for the largest streamed group
         streamed = [g for g in self.groups if g.streamed]
         size = max((g.padded for g in streamed), default=0)
@@ -113,30 +127,27 @@ class ShardedParameters:
         self.gathers = 0           # all-gathers issued (for tests and benchmarks)
         self.overflow_gathers = 0  # fetches that found both buffers in use (a temporary was allocated)
         self._reductions: list = []
-        self.resident: torch.Tensor | None = None
-        if self.zero == 3:
-            for g in streamed:
-                for f in g.fqns:
-                    params[f].data = torch.empty(0, dtype=g.dtype, device=device)
-            res = self.by_name.get(layout.resident.name) if layout.resident is not None else None
-            if res is not None:
-                self.resident = torch.empty(res.padded, dtype=res.dtype, device=device)
-                for f, v in zip(res.fqns, res.views(self.resident)):
-                    v.copy_(params[f].detach())
-                    params[f].data = v
+        # ZeRO-3: the resident group's whole values (the caller points its parameters at them)
+        self.resident: torch.Tensor | None = resident_flat
+
+    def resident_views(self) -> dict[str, torch.Tensor]:
+        """ZeRO-3: FQN -> view of the resident buffer each resident parameter must be."""
+        if self.resident is None:
+            return {}
+        res = next(g for g in self.groups if not g.streamed)
+        return dict(zip(res.fqns, res.views(self.resident)))
 
     # -- layout ---------------------------------------------------------------------------------
 
-    def _flatten(self, g: FlatGroup, tensors) -> torch.Tensor:
-        device = tensors[0].device if tensors else self.params[g.fqns[0]].device
-        flat = torch.zeros(g.padded, dtype=g.dtype, device=device)
+    def _flatten(self, g: FlatGroup, tensors, dtype: torch.dtype | None = None) -> torch.Tensor:
+        flat = torch.zeros(g.padded, dtype=dtype or g.dtype, device=self.device)
         for o, t in zip(g.offsets, tensors):
             flat[o: o + t.numel()].copy_(t.reshape(-1))
         return flat
 
     def _gather(self, g: FlatGroup, out: torch.Tensor, async_op: bool):
         self.gathers += 1
-        src = g.master.detach().to(g.dtype)
+        src = g.master.detach().to(out.dtype)
         if self.group is None:
             out[: g.padded].copy_(src)
             return None
@@ -282,11 +293,12 @@ class ShardedParameters:
 
     # -- whole values for state_dict / load_state_dict -------------------------------------------
 
-    def whole(self) -> dict[str, torch.Tensor]:
-        """Every sharded parameter's whole value (collective over the replicas)."""
+    def whole(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """Every sharded parameter's whole value, in ``dtype`` (default the compute dtype; fp32:
+        the masters themselves), collective over the replicas."""
         out = {}
         for g in self.groups:
-            full = torch.empty(g.padded, dtype=g.dtype, device=self.device)
+            full = torch.empty(g.padded, dtype=dtype or g.dtype, device=self.device)
             w = self._gather(g, full, async_op=True)
             if w is not None:
                 w.wait(self.timeout)
@@ -297,9 +309,9 @@ class ShardedParameters:
         """Set the shards (and resident/whole copies) from whole values."""
         with torch.no_grad():
             for g in self.groups:
-                flat = self._flatten(g, [values[f].to(g.dtype) for f in g.fqns])
+                flat = self._flatten(g, [values[f] for f in g.fqns], torch.float32)
                 shard = g.padded // self.replicas
-                g.master.copy_(flat[self.replica * shard: (self.replica + 1) * shard].to(torch.float32))
+                g.master.copy_(flat[self.replica * shard: (self.replica + 1) * shard])
                 if self.resident is not None and not g.streamed:
                     self.resident.copy_(flat)  # the resident parameters are views of it
                 elif not g.streamed:

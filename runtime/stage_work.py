@@ -15,13 +15,41 @@ from autopar.passes.program import StageProgram
 from .execute import run
 
 
+class ParamGrads:
+    """Where gradients accumulate: each tensor's ``.grad`` (created zeroed at its first use in a
+    step). The data-parallel owner passes one over fp32 masters under mixed precision."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def accumulator(self, fqn: str) -> torch.Tensor:
+        p = self.tensors[fqn]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return p.grad
+
+    def add(self, fqn: str, g: torch.Tensor) -> None:
+        p = self.tensors[fqn]
+        if p.grad is None:
+            # a copy: g may alias a tangent that is also sent upstream (out = x + p gives
+            # grad_p is grad_x), and .grad is accumulated into in place
+            p.grad = g.to(p.dtype).clone(memory_format=torch.contiguous_format)
+        else:
+            p.grad.add_(g)
+
+    def zero(self) -> None:
+        for p in self.tensors.values():
+            p.grad = None
+
+
 class StageWork:
-    def __init__(self, programs: dict[int, StageProgram], num_stages: int, state: dict,
-                 params: dict[str, torch.nn.Parameter], grad_sink=None):
+    def __init__(self, programs: dict[int, StageProgram], num_stages: int, state: dict, grads, grad_sink=None):
+        """``grads``: where parameter gradients accumulate (a ParamGrads; a dict of Parameters
+        means their ``.grad``)."""
         self.programs = programs  # stage index -> program (a rank holds some of the stages)
         self.num_stages = num_stages
         self.state = state
-        self.params = params
+        self.grads = grads if hasattr(grads, "accumulator") else ParamGrads(grads)
         self.envs: dict[tuple[int, int], dict] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self._scale = None
@@ -78,35 +106,23 @@ class StageWork:
 
     def _gradients(self, s: int, program, env: dict) -> None:
         """Run stage s's W or B. Without a grad_sink it adds every parameter gradient into its
-        .grad (zeroed at the first microbatch), a linear layer's inside its weight-gradient
-        GEMM (passes/exec_code.py), so no fresh gradient lives beside .grad. With one (ZeRO-2/3
-        flat buffers), the fresh gradients go to the sink."""
+        accumulator (zeroed at the first microbatch), a linear layer's inside its weight-gradient
+        GEMM when the dtypes agree (passes/exec_code.py), so no fresh gradient lives beside the
+        accumulator. With one (ZeRO-2/3 flat buffers), the fresh gradients go to the sink."""
         prog = self.programs[s]
         if self.grad_sink is not None:
             run(program, env, self.state, keep=_NOTHING)
             self._accumulate(prog, env)
             return
-        into = []
-        for fqn in prog.grad_params:
-            p = self.params[fqn]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-            into.append(p.grad)
+        into = [self.grads.accumulator(fqn) for fqn in prog.grad_params]
         run(program, env, self.state, self._grad_keys[s], into, keep=_NOTHING)
 
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
-        """Fresh gradients into the grad_sink, or (parameters it does not take) into .grad."""
+        """Fresh gradients into the grad_sink, or (parameters it does not take) into ``grads``."""
         for fqn in prog.grad_params:
             g = env.pop(keys.gparam(fqn))
-            if self.grad_sink(fqn, g):
-                continue
-            p = self.params[fqn]
-            if p.grad is None:
-                # a copy: g may alias a tangent that is also sent upstream (out = x + p gives
-                # grad_p is grad_x), and .grad is accumulated into in place
-                p.grad = g.clone(memory_format=torch.contiguous_format)
-            else:
-                p.grad.add_(g)
+            if not self.grad_sink(fqn, g):
+                self.grads.add(fqn, g)
 
     # -- moving values -----------------------------------------------------------------------
 
@@ -133,7 +149,7 @@ class StageWork:
             return None
         total = None
         for k in sorted(self.losses):
-            term = self.losses[k] * self._loss_scale
+            term = self.losses[k].float() * self._loss_scale  # fp32 even when the loss is bf16
             total = term if total is None else total + term
         return total.detach()
 

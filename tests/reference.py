@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["split_batch", "eager_reference", "assert_close_state", "state_copy"]
+__all__ = ["split_batch", "eager_reference", "eager_mixed_reference", "assert_close_state", "state_copy"]
 
 
 def split_batch(tensor: torch.Tensor, dp: int, num_microbatches: int) -> list[list[torch.Tensor]]:
@@ -100,6 +100,51 @@ def eager_reference(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, state_copy(model)
+
+
+def eager_mixed_reference(model: nn.Module, inputs: tuple, target: Any, loss_fn, optimizer_factory, *,
+                          param_dtype: torch.dtype = torch.bfloat16, dp: int = 1, num_microbatches: int = 1,
+                          steps: int = 2) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+    """Design.md §5, mixed precision: a ``param_dtype`` copy of the model runs each microbatch's
+    forward and backward; its parameter gradients are accumulated in fp32 over the microbatches;
+    the optimizer steps fp32 masters (the model as given), which are cast into the compute copy
+    after each step. Returns (losses as fp32 sums of the scaled microbatch losses, the masters'
+    state with the compute copy's buffers)."""
+    masters = copy.deepcopy(model)
+    compute = copy.deepcopy(model)
+    for p in compute.parameters():
+        if p.is_floating_point():
+            p.data = p.data.to(param_dtype)
+    n_total = dp * num_microbatches
+    x_mbs = _split_tree(tuple(inputs), dp, num_microbatches)
+    y_mbs = _split_tree(target, dp, num_microbatches) if loss_fn is not None else [None] * n_total
+    optimizer = optimizer_factory(masters.parameters())
+    pairs = list(zip(masters.parameters(), compute.parameters()))
+    losses = []
+    for _ in range(steps):
+        acc = [torch.zeros_like(m, dtype=torch.float32) for m, _c in pairs]
+        total = torch.zeros((), dtype=torch.float32)
+        for x_mb, y_mb in zip(x_mbs, y_mbs):
+            out = compute(*x_mb)
+            loss = out if loss_fn is None else loss_fn(out, y_mb)
+            scaled = loss / n_total
+            grads = torch.autograd.grad(scaled, [c for _m, c in pairs], allow_unused=True)
+            for a, g in zip(acc, grads):
+                if g is not None:
+                    a.add_(g)
+            total += scaled.detach().float()
+        losses.append(total)
+        for (m, _c), a in zip(pairs, acc):
+            m.grad = a
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for m, c in pairs:
+                c.copy_(m)
+    state = state_copy(masters)
+    param_names = {k for k, _ in masters.named_parameters(remove_duplicate=False)}
+    state.update({k: v.detach().clone() for k, v in compute.state_dict().items() if k not in param_names})
+    return losses, state
 
 
 def assert_close_state(actual: dict, expected: dict, rtol: float = 1e-5, atol: float = 1e-6,

@@ -101,25 +101,11 @@ def _eager_loss_in_state(case_name, state, dp, m):
 
 
 def _planner_parameter_bytes(case_name: str, plan: dict):
-    """(the plan with the planner's stage cuts, per pp rank the ZeRO-3 parameter bytes the
-    planner predicts for it: its weights row, i.e. master shards and resident group, plus the
-    gather buffers), for a plan of one stage per pipeline rank cut at the balanced units."""
-    from autopar.planner.devices import get_profile
-    from autopar.planner.estimate import Evaluator, Layout, Partition
-    from autopar.planner.profile import profile_model
     from tests.models import ALL_CASES
+    from tests.planner_check import planner_parameter_bytes
 
     case = ALL_CASES[case_name](seed=5)
-    prof = profile_model(case.model, case.inputs, case.target, case.loss_fn)
-    pp, dp, m = plan.get("pp", 1), plan.get("dp", 1), plan["num_microbatches"]
-    units = len(prof.units)
-    bounds = tuple(round(s * units / pp) for s in range(pp + 1))
-    lay = Layout(pp=pp, dp=dp, cp=1, ep=1, schedule=plan["schedule"], v=1, m=m,
-                 b=case.inputs[0].shape[0] // (dp * m), zero=3)
-    ev = Evaluator(prof, get_profile("h100"), 1e12, case.inputs[0].shape[0])
-    est = ev.evaluate(lay, Partition(bounds, (False,) * pp))
-    cuts = tuple(prof.units[b].cut for b in bounds[1:-1])
-    return dict(plan, stage_cuts=cuts), [row["weights"] + row["zero-3 gather"] for row in est.memory]
+    return planner_parameter_bytes(case.model, case.inputs, case.target, case.loss_fn, plan)
 
 
 @pytest.mark.parametrize("world", sorted(MATRIX))
