@@ -5,7 +5,9 @@ expert buffer moved by all-to-all; done before capture, so the captured graph ho
 all-to-alls and the joint trace their backward), which parameters are expert shards (the data
 parallel owner sums their gradients over the replicas holding the same experts and never
 ZeRO-shards them) and their state mapping: an expert parameter's whole value is its ``ep``
-shards concatenated along dim 0 in EP rank order.
+shards concatenated along dim 0 in EP rank order. Blocks: ``autopar.nn.MoE`` (capacity,
+drops like the single-process block) and Hugging Face transformers MoE blocks (dropless,
+passes/hf_moe.py); the parameter FQNs stay the model's own.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import logging
 
 import torch
 
-from autopar.passes.expert_parallel import apply_expert_parallel
+from autopar.passes.expert_parallel import apply_expert_parallel, check_expert_parallel
 from autopar.runtime import comms
 
 from .base import Parallelism
@@ -28,6 +30,13 @@ class ExpertParallel(Parallelism):
         self.ep, self.mesh = ep, mesh
         self.shards: dict = {}  # fqn -> passes.expert_parallel.ExpertShard
         self.params: dict[str, torch.nn.Parameter] = {}
+
+    @staticmethod
+    def check_module(model, ep: int) -> None:
+        """ValueError, before any process group exists, when ``model`` has no MoE block EP can
+        shard, a block EP refuses (it is named, with what was expected), or an expert count
+        that ``ep`` does not divide. Pure: the orchestrator may call it before the mesh."""
+        check_expert_parallel(model, ep)
 
     def rewrite_module(self, model) -> None:
         self.shards = apply_expert_parallel(model, self.ep, self.mesh.ep_rank, self.mesh.ep_group)

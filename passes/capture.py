@@ -114,7 +114,8 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None) -> Captu
     try:
         with _quiet_export_logs():
             ep = torch.export.export(wrapper, args, strict=False)
-            ep = ep.run_decompositions({})  # functionalize: buffer mutations become outputs
+            # functionalize (buffer mutations become outputs); aten.copy alone is decomposed
+            ep = ep.run_decompositions({torch.ops.aten.copy.default: _differentiable_copy})
     except Exception as e:  # noqa: BLE001 - every failure is re-raised as CaptureError with context
         raise CaptureError(_explain_capture_failure(model, e)) from e
     captured = _from_exported(ep, wrapper, model, loss_fn is not None)
@@ -201,6 +202,20 @@ def _from_exported(ep, wrapper: nn.Module, model: nn.Module, has_target: bool) -
     model_inputs = user_inputs[:-1] if has_target else user_inputs
     return CapturedGraph(gm=gm, params=params, buffers=buffers, constants=constants, inputs=model_inputs,
                          target=target, buffer_updates=buffer_updates, loss=loss_name, aliases=aliases)
+
+
+def _differentiable_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """``aten.copy(self, src)``: ``src`` broadcast to ``self``'s shape, in its dtype and device.
+
+    Functionalization turns a write into a view (``buf[..., :4] = x``: DeepSeek-V3's MLA
+    ``expand_kv``, any slice assignment) into ``aten.copy`` + ``slice_scatter``, and
+    ``aten.copy`` has no autograd formula, so split_backward's joint trace would fail with
+    "derivative for aten::copy is not implemented". These ops have one (gradient to ``src``
+    only: ``self``'s old values are overwritten)."""
+    out = torch.ops.aten.expand.default(src, list(self.shape))
+    if out.dtype != self.dtype or out.device != self.device:
+        return torch.ops.aten._to_copy.default(out, dtype=self.dtype, device=self.device)
+    return torch.ops.aten.clone.default(out)
 
 
 def _strip_model_prefix(target: str) -> str:

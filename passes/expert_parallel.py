@@ -1,12 +1,27 @@
-"""Expert parallelism (EP) for ``autopar.nn.MoE``: each of ``ep`` ranks holds ``E / ep`` experts.
+"""Expert parallelism (EP): each of ``ep`` ranks holds ``E / ep`` experts of every MoE block.
 
-``apply_expert_parallel(model, ep, ep_rank, group)`` rewrites every ``MoE`` of ``model`` in place
-and returns one ``ExpertShard`` per sharded parameter. It runs on the eager module, *before*
-``capture``: the rewritten forward calls a differentiable all-to-all, so the captured graph
-holds the forward all-to-alls and ``split_backward``'s joint trace gets their backward
-all-to-alls for free (design.md §9).
+``apply_expert_parallel(model, ep, ep_rank, group)`` rewrites every MoE block of ``model`` in
+place and returns one ``ExpertShard`` per sharded parameter; ``moe_blocks(model)`` lists the
+blocks it would shard (FQN, expert count) and ``refused_moe_blocks(model)`` the MoE-looking
+blocks it refuses (FQN, why). Two kinds of block are recognized:
 
-Dispatch (one rank, its own ``N`` tokens; ``E`` experts, ``El = E / ep`` per rank, capacity
+* ``autopar.nn.MoE`` (static capacity; it drops overflow tokens, and so does its EP form,
+  exactly as the single-process block): below;
+* Hugging Face ``transformers`` blocks whose ``experts`` is a transformers experts module
+  (``@use_experts_implementation``: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V3, ...): *dropless*,
+  with static buffers sized for the worst case; see passes/hf_moe.py for the dispatch and
+  its memory cost.
+
+Any other block that looks like an MoE (an ``experts`` child beside a ``gate``/``router``, or
+experts held as separate modules) is refused by name, with what was expected, before any
+communication or change to the model.
+
+The rewrite runs on the eager module, *before* ``capture``: the rewritten forward calls a
+differentiable all-to-all, so the captured graph holds the forward all-to-alls and
+``split_backward``'s joint trace gets their backward all-to-alls for free (design.md §9).
+Parameter FQNs stay the model's own: a shard is the dim-0 slice of the full parameter.
+
+Dispatch of ``autopar.nn.MoE`` (one rank, its own ``N`` tokens; ``E`` experts, ``El = E / ep`` per rank, capacity
 ``C`` from the local ``N`` exactly as ``MoE`` computes it):
 
 1. route, rank and drop the local tokens exactly as ``MoE`` does, filling the expert buffer
@@ -29,7 +44,7 @@ trace time, no count exchange is needed, and the graph stays static. The price i
 slots travel and are computed. It requires every rank of the EP group to have the same local
 token count ``N`` (same ``C``), which equal microbatch shapes guarantee.
 
-Gradients (what the runtime must do): the backward of all-to-all #2 / #1 sends each expert's
+Gradients, for both kinds (what the runtime must do): the backward of all-to-all #2 / #1 sends each expert's
 output gradients to the rank holding the expert, so after backward an expert parameter on a
 rank already holds the gradient from the tokens of *every* rank of its EP group. Hence:
 
@@ -58,9 +73,12 @@ import torch.nn as nn
 
 from autopar.nn import GroupedExperts, MoE
 
+from . import hf_moe
+
 log = logging.getLogger("autopar")
 
-__all__ = ["ExpertShard", "ExpertParallelMoE", "apply_expert_parallel"]
+__all__ = ["ExpertShard", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel", "moe_blocks",
+           "expert_parameters", "refused_moe_blocks"]
 
 
 @dataclass(frozen=True)
@@ -138,14 +156,63 @@ def _ep_class(cls: type) -> type:
     return _EP_CLASSES[cls]
 
 
-def _looks_like_foreign_moe(module: nn.Module) -> bool:
-    """An MoE block that is not ours: experts as separate modules plus a gate/router
-    (Hugging Face Mixtral, Qwen-MoE, DeepSeek, ...), whose routing is data-dependent."""
-    if isinstance(module, MoE):
-        return False
-    experts = getattr(module, "experts", None)
-    has_router = any(isinstance(getattr(module, name, None), nn.Module) for name in ("gate", "router"))
-    return isinstance(experts, nn.Module) and not isinstance(experts, GroupedExperts) and has_router
+_EXPECTED = f"autopar.nn.MoE (static capacity, batched experts [E, ...]) or {hf_moe.EXPECTED}"
+
+
+def _scan(model: nn.Module):
+    """(ours: [(fqn, MoE)], hf: [(block fqn, experts fqn, experts module)], refused: [(fqn, class, why)]),
+    in ``named_modules`` order; a block FQN is "" for the root."""
+    ours, hf, refused = [], [], []
+    for name, m in model.named_modules():
+        if isinstance(m, MoE):
+            ours.append((name, m))
+            continue
+        experts = getattr(m, "experts", None)
+        if not isinstance(experts, nn.Module) or isinstance(experts, GroupedExperts):
+            continue
+        prefix = f"{name}.experts" if name else "experts"
+        if hf_moe.is_hf_experts(experts):
+            why = hf_moe.hf_refusal(experts)
+            if why is None:
+                hf.append((name, prefix, experts))
+            else:
+                refused.append((name, type(m).__name__, f"{prefix} ({type(experts).__name__}): {why}"))
+            continue
+        has_router = any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router"))
+        if has_router or isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+            kind = ("separate expert modules, routed with data-dependent shapes"
+                    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)) else "not a recognized experts module")
+            refused.append((name, type(m).__name__, f"{prefix} is a {type(experts).__name__} ({kind})"))
+    return ours, hf, refused
+
+
+def moe_blocks(model: nn.Module) -> list[tuple[str, int]]:
+    """``[(fqn, n_experts)]`` of every MoE block ``apply_expert_parallel`` shards, in module
+    order: each ``autopar.nn.MoE`` (its FQN) and each recognized Hugging Face block (the FQN of
+    the module holding ``experts``, e.g. ``model.layers.1.mlp``); ``""`` is the root. The count
+    is the global one, also after the rewrite. ``ep`` must divide every count; a model for which
+    ``refused_moe_blocks`` is not empty is refused whatever ``ep`` (ep=1 included)."""
+    ours, hf, _refused = _scan(model)
+    found = [(name, m.n_experts) for name, m in ours] + [(name, hf_moe.hf_expert_count(e)) for name, _p, e in hf]
+    order = {name: i for i, (name, _m) in enumerate(model.named_modules())}
+    return sorted(found, key=lambda item: order[item[0]])
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """FQNs of the parameters ``apply_expert_parallel`` shards (dim 0, ``E / ep`` experts per
+    rank), in module order; shared experts and routers are not among them (DeepSeek-V3's
+    ``mlp.shared_experts.*`` contains "experts." but stays replicated)."""
+    ours, hf, _refused = _scan(model)
+    fqns = [f"{name}.experts.{p}" if name else f"experts.{p}" for name, m in ours
+            for p, t in m.experts.named_parameters(recurse=False) if t is not None]
+    fqns += [f"{prefix}.{p}" for _name, prefix, e in hf for p, _t in e.named_parameters(recurse=False)]
+    order = {f: i for i, (f, _p) in enumerate(model.named_parameters())}
+    return sorted(fqns, key=order.__getitem__)
+
+
+def refused_moe_blocks(model: nn.Module) -> list[tuple[str, str]]:
+    """``[(fqn, why)]`` of every block that looks like an MoE but that EP cannot shard."""
+    return [(name or "<root>", f"{cls}: {why}") for name, cls, why in _scan(model)[2]]
 
 
 def _resolve_group(group, ep: int, ep_rank: int) -> str | None:
@@ -171,48 +238,68 @@ def _resolve_group(group, ep: int, ep_rank: int) -> str | None:
     return name
 
 
-def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -> dict[str, ExpertShard]:
-    """Shard the experts of every ``autopar.nn.MoE`` in ``model`` over ``ep`` ranks, in place.
-
-    This rank keeps experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of each MoE as copies
-    under the same FQNs (``...experts.w1`` now ``[E/ep, d, h]``); routers, shared experts and
-    buffers stay replicated. ``group`` is the EP process group (a ProcessGroup, group name or
-    1-D DeviceMesh; None: the default group) of ``ep`` ranks; this process must be its rank
-    ``ep_rank``. ``ep == 1`` needs no process group and leaves the numbers unchanged.
-
-    Returns ``{fqn: ExpertShard}`` for every sharded parameter. Build the optimizer after this
-    call: parameters created before it still reference the full expert tensors.
-    """
+def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
+    """Every check ``apply_expert_parallel`` makes before it touches a process group or the
+    model (ValueError naming the block and the fix); returns (autopar MoEs, Hugging Face
+    blocks) as ``_scan`` does. Pure: call it before building the mesh to fail before any
+    communication."""
     if not isinstance(ep, int) or ep < 1:
         raise ValueError(f"autopar: ep must be a positive integer, got {ep!r}")
     if not isinstance(ep_rank, int) or not 0 <= ep_rank < ep:
         raise ValueError(f"autopar: ep_rank must be in [0, ep={ep}), got {ep_rank!r}")
-    foreign = [name or "<root>" for name, m in model.named_modules() if _looks_like_foreign_moe(m)]
-    if foreign:
-        kinds = sorted({type(model.get_submodule(n) if n != "<root>" else model).__name__ for n in foreign})
-        raise ValueError(f"autopar: expert parallelism does not support the MoE block(s) {foreign[:4]} "
-                         f"({', '.join(kinds)}): their experts are separate modules and their routing is "
-                         "data-dependent, so they cannot be captured statically or sharded. Replace them with "
-                         "autopar.nn.MoE (static capacity, batched experts) to use ep > 1")
-    moes = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
-    if not moes:
-        raise ValueError(f"autopar: ep={ep} but {type(model).__name__} has no autopar.nn.MoE module; "
-                         "build the model's MoE layers with autopar.nn.MoE, or use ep=1")
-    done = [name or "<root>" for name, m in moes if isinstance(m, ExpertParallelMoE)]
+    ours, hf, refused = _scan(model)
+    if refused:
+        names = [name or "<root>" for name, _c, _w in refused]
+        kinds = sorted({cls for _n, cls, _w in refused})
+        lines = "; ".join(f"{name or '<root>'} ({cls}): {why}" for name, cls, why in refused[:4])
+        raise ValueError(f"autopar: expert parallelism does not support the MoE block(s) {names[:4]} "
+                         f"({', '.join(kinds)}): {lines}. Expected {_EXPECTED}; or use ep=1")
+    if not ours and not hf:
+        raise ValueError(f"autopar: ep={ep} but {type(model).__name__} has no MoE block expert parallelism can "
+                         f"shard (expected {_EXPECTED}); build the model's MoE layers with autopar.nn.MoE, or use ep=1")
+    done = ([name or "<root>" for name, m in ours if isinstance(m, ExpertParallelMoE)]
+            + [name or "<root>" for name, _p, e in hf if isinstance(e, hf_moe.HFExpertParallel)])
     if done:
         raise ValueError(f"autopar: {done[:4]} are already expert-parallel; apply_expert_parallel runs once per model")
-    for name, m in moes:
-        if m.n_experts % ep:
-            raise ValueError(f"autopar: MoE {name or '<root>'} has n_experts={m.n_experts}, not divisible by "
-                             f"ep={ep}; pick ep among the divisors of {m.n_experts} "
-                             f"({[k for k in range(1, m.n_experts + 1) if m.n_experts % k == 0]})")
+    for name, n_experts in [(n, m.n_experts) for n, m in ours] + [(n, e.num_experts) for n, _p, e in hf]:
+        if n_experts % ep:
+            raise ValueError(f"autopar: MoE block {name or '<root>'} has n_experts={n_experts}, not divisible by "
+                             f"ep={ep}; pick ep among the divisors of {n_experts} "
+                             f"({[k for k in range(1, n_experts + 1) if n_experts % k == 0]})")
+    for name, m in ours:
         if not isinstance(m.experts, GroupedExperts):
             raise ValueError(f"autopar: MoE {name or '<root>'}.experts is a {type(m.experts).__name__}, "
                              "expected GroupedExperts (batched expert weights [E, ...])")
+    return ours, hf
+
+
+def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -> dict[str, ExpertShard]:
+    """Shard the experts of every MoE block of ``model`` (``moe_blocks``) over ``ep`` ranks, in place.
+
+    This rank keeps experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of each block as copies
+    under the same FQNs (``...experts.w1`` now ``[E/ep, d, h]``, Hugging Face
+    ``...mlp.experts.gate_up_proj`` now ``[E/ep, 2h, d]``); routers, shared experts and
+    buffers stay replicated. A block that looks like an MoE but is not recognized
+    (``refused_moe_blocks``) makes it raise, naming the block, before anything changes.
+    ``group`` is the EP process group (a ProcessGroup, group name or 1-D DeviceMesh; None: the
+    default group) of ``ep`` ranks; this process must be its rank ``ep_rank``.
+    ``ep == 1`` needs no process group and leaves the numbers unchanged.
+
+    Returns ``{fqn: ExpertShard}`` for every sharded parameter. Build the optimizer after this
+    call: parameters created before it still reference the full expert tensors.
+    """
+    ours, hf = check_expert_parallel(model, ep, ep_rank)
     group_name = _resolve_group(group, ep, ep_rank)  # fails here, before any module changes
 
     shards: dict[str, ExpertShard] = {}
-    for name, m in moes:
+    for name, prefix, experts in hf:
+        for fqn, full_shape in hf_moe.apply_hf_expert_parallel(experts, prefix + ".", ep, ep_rank, group_name):
+            shards[fqn] = ExpertShard(fqn, 0, full_shape, ep, ep_rank)
+        n_local = experts.num_experts  # the local count once rewritten (E when ep == 1)
+        log.info("expert_parallel: %s (%s, dropless) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
+                 name or "<root>", type(experts).__name__, ep_rank * n_local, (ep_rank + 1) * n_local,
+                 hf_moe.hf_expert_count(experts), ep, ep_rank)
+    for name, m in ours:
         n_local = m.n_experts // ep
         lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
         experts = m.experts
