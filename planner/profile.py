@@ -283,8 +283,8 @@ def _fakeify(model: torch.nn.Module, inputs: tuple, target, param_dtype=None):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    if not any(metas):  # a real model: profile a storage-less copy
-        model = copy.deepcopy(model).to("meta")
+    # a copy: to_empty works in place, and the caller's model must stay as it is
+    model = copy.deepcopy(model) if any(metas) else copy.deepcopy(model).to("meta")
     with mode:
         model = model.to_empty(device="cpu")
         if param_dtype is not None:
