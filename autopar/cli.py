@@ -28,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
                            "rank in this process (default 2)")
     demo.add_argument("--steps", type=int, default=5, help="optimizer steps (default 5)")
     demo.add_argument("--lr", type=float, default=1e-3)
+    demo.add_argument("--meta", action=argparse.BooleanOptionalAction, default=True,
+                      help="build the GPT on the meta device; each process materializes only its stages (default; "
+                           "--no-meta builds it whole first)")
+    demo.add_argument("--bf16", action="store_true", help="bf16 mixed precision (fp32 masters and gradients)")
     insp = sub.add_parser("inspect", help="write every stage's F/I/W/B code and the stage table to a directory")
     _model_args(insp)
     insp.add_argument("--out", default="autopar_dump", help="output directory (default ./autopar_dump)")

@@ -36,16 +36,52 @@ def _param_placeholders(st) -> set[str]:
     return set(phs[: len(st.params)])
 
 
+def resident_parameter_bytes(pm) -> int:
+    """Bytes of real parameter storage on this process: the distinct storages of its model's
+    parameters (a tensor of another rank's stage stays on meta: none) and its ZeRO-2/3 storage
+    (fp32 master shards, gather buffers, resident group) and mixed-precision masters."""
+    seen, total = set(), 0
+
+    def count(t):
+        nonlocal total
+        if t is None or t.is_meta or not t.numel():
+            return
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+
+    for p in pm.model.parameters():
+        count(p)
+    dp = pm.built.parallelisms["dp"]
+    for m in dp.masters.values():
+        count(m)
+    if dp.storage is not None:
+        for g in dp.storage.groups:
+            count(g.master)
+        for b in dp.storage.buffers:
+            count(b)
+        count(dp.storage.resident)
+    master = getattr(dp.optimizer, "master", None)  # the ZeRO-1 shard
+    count(master)
+    return total
+
+
 def stage_table(programs, schedule=None, rows: list[dict] | None = None) -> str:
     rows = stage_rows(programs, schedule) if rows is None else sorted(rows, key=lambda r: r["stage"])
+    resident = all("resident_bytes" in r for r in rows) and rows
     head = f"{'stage':>5} {'rank':>4} {'params':>6} {'param mem':>10} {'F GFLOP':>8} {'I GFLOP':>8} {'W GFLOP':>8} " \
-           f"{'saved/mb':>10} {'bytes in':>10} {'bytes out':>10}"
+           f"{'saved/mb':>10} {'bytes in':>10} {'bytes out':>10}" + (f" {'rank holds':>10}" if resident else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} {_fmt_bytes(r['param_bytes']):>10} "
                      f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
                      f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} "
-                     f"{_fmt_bytes(r['bytes_out']):>10}")
+                     f"{_fmt_bytes(r['bytes_out']):>10}"
+                     + (f" {_fmt_bytes(r['resident_bytes']):>10}" if resident else ""))
+    if resident:
+        lines.append("(rank holds: the real parameter storage of that rank's process, masters and shards included; "
+                     "the rest of the model stays on the meta device)")
     return "\n".join(lines)
 
 

@@ -22,6 +22,7 @@ from autopar.passes.program import StageInfo, StageProgram
 
 from . import comms
 from .actions import interpret
+from .boundary import input_wires
 from .codegen import compile_step, generate_source
 from .mesh import Mesh
 from .stage_work import StageWork
@@ -65,7 +66,10 @@ class DistributedPipeline:
         if generated:
             self.program = compile_step(generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank,
                                                         mesh.pp_rank))
-        self._in_specs = {s: _input_specs(programs[s]) for s in self.my_stages}
+        # how activations cross ranks (runtime/boundary.py): as the receiving stage traced them
+        self._in_wires = {s: input_wires(programs[s].stage) for s in self.my_stages}
+        self._out_wires = {s: input_wires(programs[s + 1].stage) for s in self.my_stages
+                           if s + 1 < schedule.num_stages and self.owner[s + 1] != mesh.pp_rank}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
         # gloo (CPU): receives from each peer, in the order the lowered program posts them. A
         # receive is posted at its place in the program or, earlier, as soon as the previous
@@ -145,7 +149,7 @@ class DistributedPipeline:
 
     def _post_f(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s - 1])
-        bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._in_specs[s].items()}
+        bufs = {n: torch.empty(w.shape, dtype=w.dtype, device=self.device) for n, w in self._in_wires[s].items()}
         tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
         with self.comm.launch():
             self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
@@ -159,7 +163,8 @@ class DistributedPipeline:
 
     def wait_f(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_F{k}")
-        self.work.put_inputs(s, k, self._wait(self._consume(("F", s, k))))
+        got = self._wait(self._consume(("F", s, k)))
+        self.work.put_inputs(s, k, {n: self._in_wires[s][n].unpack(t) for n, t in got.items()})
 
     def wait_b(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_B{k}")
@@ -174,10 +179,11 @@ class DistributedPipeline:
 
     def send_f(self, s: int, k: int) -> None:
         outs = self.work.take_outputs(s, k)
-        names = self.programs[s + 1].stage.inputs
-        tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(names))]
+        wires = self._out_wires[s]
+        tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(wires))]
         with self.comm.launch():
-            self._sends += comms.isend([outs[n] for n in names], self.mesh.global_rank(self.owner[s + 1]), tags)
+            self._sends += comms.isend([w.pack(outs[n]) for n, w in wires.items()],
+                                       self.mesh.global_rank(self.owner[s + 1]), tags)
 
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
@@ -262,11 +268,6 @@ class DistributedPipeline:
         if self.mesh.replicas > 1:
             comms.all_reduce_sum(loss, group=self.mesh.replica_group)
         return loss
-
-
-def _input_specs(prog: StageProgram) -> dict[str, tuple]:
-    phs = {n.name: n for n in prog.stage.gm.graph.nodes if n.op == "placeholder"}
-    return {name: (tuple(phs[name].meta["val"].shape), phs[name].meta["val"].dtype) for name in prog.stage.inputs}
 
 
 def _grad_specs(prog: StageProgram) -> dict[str, tuple]:

@@ -158,9 +158,14 @@ _NOTHING = frozenset()  # after W or B, no program of the microbatch reads its e
 
 
 def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:
-    """`t` in the memory layout the receiving stage was traced with (a copy only if it differs)."""
+    """`t` in the memory layout the receiving stage was traced with (a copy only if it differs).
+    A dim traced as a broadcast (stride 0) is rebuilt from one slice, then expanded again."""
     if t.stride() == strides or t.numel() <= 1:
         return t
+    bcast = [d for d, (n, s) in enumerate(zip(t.shape, strides)) if s == 0 and n > 1]
+    if bcast:
+        one = t[tuple(slice(0, 1) if d in bcast else slice(None) for d in range(t.dim()))]
+        return with_strides(one, tuple(strides)).expand(t.shape)
     out = torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device)
     out.copy_(t)
     return out
