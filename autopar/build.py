@@ -112,7 +112,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
     world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if distributed() else (1, 0)
     text = None
     if rank == 0:
-        from autopar.nn import MoE
+        from autopar.passes.expert_parallel import expert_parameters, moe_blocks, refused_moe_blocks
         from autopar.planner import plan_model
         from autopar.planner.devices import current_profile
         from autopar.planner.report import text as report_text
@@ -125,11 +125,13 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         t0 = time.perf_counter()
         # CP is not searched here: the planner knows the head counts, but not whether the CP pass
         # can rewrite this model (it refuses explicit attention masks, for one), and a chosen
-        # cp > 1 would then fail; set Plan(cp=...). EP is, for models built from autopar.nn.MoE
-        experts = [m.n_experts for m in model.modules() if isinstance(m, MoE)]
+        # cp > 1 would then fail; set Plan(cp=...). EP is, for every model with MoE blocks the EP
+        # rewrite recognizes (autopar.nn.MoE, Hugging Face MoE blocks)
+        blocks = [] if refused_moe_blocks(model) else moe_blocks(model)
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                                memory_limit=limit, allow_cp=False, allow_ep=bool(experts), precision=precision,
-                                n_experts=min(experts, default=0), expert_prefixes=("experts.",),
+                                memory_limit=limit, allow_cp=False, allow_ep=bool(blocks), precision=precision,
+                                n_experts=min((n for _f, n in blocks), default=0),
+                                expert_prefixes=tuple(expert_parameters(model)) if blocks else (),
                                 zero_levels=(0, 1, 2, 3), name=type(model).__name__,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
         if res.chosen is None:
@@ -167,6 +169,10 @@ def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, 
     for every model tensor, or None); ValueError (before any communication) when the plan does
     not fit the batch or the world, or the checkpoint does not fit the model."""
     check_world(plan)
+    if plan.ep > 1:  # a block EP cannot shard is refused here, before any process group
+        from autopar.parallel.expert import ExpertParallel
+
+        ExpertParallel.check_module(model, plan.ep)
     if precision is not None and plan.ep > 1:
         raise ValueError(f"autopar: mixed precision with ep={plan.ep} is not supported yet (expert shards would need "
                          "their own fp32 masters); use ep=1 or mixed_precision=None")

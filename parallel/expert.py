@@ -29,7 +29,7 @@ class ExpertParallel(Parallelism):
     def __init__(self, *, ep: int, mesh):
         self.ep, self.mesh = ep, mesh
         self.shards: dict = {}  # fqn -> passes.expert_parallel.ExpertShard
-        self.params: dict[str, torch.nn.Parameter] = {}
+        self.model = None
 
     @staticmethod
     def check_module(model, ep: int) -> None:
@@ -40,19 +40,25 @@ class ExpertParallel(Parallelism):
 
     def rewrite_module(self, model) -> None:
         self.shards = apply_expert_parallel(model, self.ep, self.mesh.ep_rank, self.mesh.ep_group)
-        named = dict(model.named_parameters())
-        self.params = {f: named[f] for f in self.shards}
+        self.model = model
         self.sharded = frozenset(self.shards)
         log.info("autopar: expert parallel over %d ranks: %d expert parameters sharded", self.ep, len(self.shards))
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """The local shards, looked up now (materializing a meta model replaces Parameters)."""
+        named = dict(self.model.named_parameters())
+        return {f: named[f] for f in self.shards}
 
     def whole(self) -> dict:
         return {f: comms.all_gather_dim0(p.detach().contiguous(), self.mesh.ep_group) for f, p in self.params.items()}
 
     def load_whole(self, values: dict) -> None:
+        params = self.params
         with torch.no_grad():
             for f, shard in self.shards.items():
                 full = values[f]
                 if tuple(full.shape) != tuple(shard.full_shape):
                     raise ValueError(f"autopar: {f} has shape {tuple(full.shape)} in the state dict, the model's is "
                                      f"{tuple(shard.full_shape)}")
-                self.params[f].copy_(full[shard.rows])
+                params[f].copy_(full[shard.rows])
