@@ -17,7 +17,9 @@ from autopar.runtime.spawn import run_ranks
 
 CP = 2
 MB = 2  # microbatch
-CASES = {"llama": (1, 2), "gpt": (2,), "flash": (1,), "gqa": (1,)}  # case -> stage counts to split into
+# case -> stage counts to split into
+CASES = {"llama": (1, 2), "gpt": (2,), "flash": (1,), "gqa": (1,), "manual-mask": (1,), "arange-causal": (1,),
+         "window": (1,)}
 
 
 def _case(name: str):
@@ -34,7 +36,10 @@ def _case(name: str):
         model, (idx,), target, loss_fn = make_gpt(n_layer=2, d_model=32, n_head=4, seq_len=32, batch_size=MB, seed=3)
         return model, idx, target, loss_fn
     # flash: the CPU flash kernel called directly (a tuple output whose logsumexp is unused);
-    # gqa: SDPA with enable_gqa=True (4 q heads, 2 k/v heads)
+    # gqa: SDPA with enable_gqa=True (4 q heads, 2 k/v heads); manual-mask: hand-written attention
+    # (a region) masked by a tril buffer sliced [:t, :t] (rebuilt from 2 x 2 blocks); arange-causal:
+    # SDPA with `i[:, None] >= i[None, :]` (one arange for both dims: proven causal, is_causal=True);
+    # window: a region with a banded mask from one arange
     torch.manual_seed(3)
     return _Attn(name, seq=8, heads=4, d=16), torch.randn(MB, 8, 16), torch.randn(MB, 8, 16), _mse
 
@@ -68,7 +73,7 @@ def _cp_rank(rank, world, cases):
     import torch.distributed as dist
 
     from autopar.passes import capture, keys, split_stages, stage_programs
-    from autopar.passes.context_parallel import apply_context_parallel
+    from autopar.passes.context_parallel import ATTENTION_OPS, _arg, apply_context_parallel
 
     results = {}
     for name, stage_counts in cases.items():
@@ -78,6 +83,7 @@ def _cp_rank(rank, world, cases):
         captured = apply_context_parallel(capture(model, (x_local,), y_local, loss_fn), CP, rank, dist.group.WORLD)
         captured.gm.graph.lint()
         collectives = sum(1 for n in captured.gm.graph.nodes if "all_to_all" in str(n.target))
+        causal = any(_arg(n, "is_causal") for n in captured.gm.graph.nodes if n.target in ATTENTION_OPS)
         params = dict(model.named_parameters())
         trainable = set(params)
         state = keys.state(params, dict(model.named_buffers()), captured.constants)
@@ -94,7 +100,7 @@ def _cp_rank(rank, world, cases):
                 for g in grads.values():
                     dist.all_reduce(g)  # sum over the cp ranks (each already scaled by 1/cp)
                 results[name, num_stages, mode] = {"loss": loss, "grads": grads, "collectives": collectives,
-                                                   "i_collectives": i_collectives}
+                                                   "i_collectives": i_collectives, "causal": causal}
     return results
 
 
@@ -125,6 +131,7 @@ def test_ulysses_cp2_matches_full_sequence():
             res = [r[key] for r in per_rank]
             label = f"{name} stages={key[1]} {key[2]}"
             assert res[0]["collectives"] > 0, f"{label}: no all-to-all in the rewritten graph"
+            assert res[0]["causal"] == (name in ("arange-causal", "llama", "gpt", "gqa", "flash")), (label, res[0])
             if key[1] == 2:
                 assert res[0]["i_collectives"][1] > 0, f"{label}: stage 1's I program has no backward all-to-all"
             mean_loss = sum(r["loss"] for r in res) / CP
@@ -185,12 +192,31 @@ class _Attn(nn.Module):
         self.mode, self.heads = mode, heads
         self.qkv = nn.Linear(d, 3 * d)
         self.register_buffer("mask", torch.tril(torch.ones(seq, seq, dtype=torch.bool)), persistent=False)
+        if mode == "param-bias":
+            self.bias = nn.Parameter(torch.zeros(seq, seq))
 
     def forward(self, x):
         b, t, d = x.shape
+        if self.mode == "none":
+            return self.qkv(x)[..., :d]
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        if self.mode == "mask":
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask[:t, :t])
+        i = torch.arange(t, device=x.device)
+        if self.mode == "arange-causal":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=i[:, None] >= i[None, :])
+        elif self.mode == "window":
+            band = (i[:, None] - i[None, :]).abs() <= 2
+            y = (q @ k.transpose(-1, -2) * 0.5).masked_fill(~band, float("-inf")).softmax(-1) @ v
+        elif self.mode == "bmm":  # heads merged into the batch: 3-d scores
+            qb, kb, vb = (z.reshape(b * self.heads, t, -1) for z in (q, k, v))
+            y = torch.bmm(torch.bmm(qb, kb.transpose(1, 2)).softmax(-1), vb).view(b, self.heads, t, -1)
+        elif self.mode == "param-bias":
+            y = (q @ k.transpose(-1, -2) + self.bias[:t, :t]).softmax(-1) @ v
+        elif self.mode == "weights-used":
+            att = (q @ k.transpose(-1, -2)).softmax(-1)
+            y = att @ v + att.mean()
+        elif self.mode == "cumsum-mask":
+            m = self.mask[:t, :t].int().cumsum(-1) > 1
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
         elif self.mode == "lse":
             y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
             y = y + lse.unsqueeze(-1)
@@ -217,12 +243,14 @@ def _mse(out, target):
     ("heads", 4, "3 query heads and 3/3 key/value heads; cp=4 must divide every head count"),
     ("gqa", 4, "4 query heads and 2/2 key/value heads; cp=4 must divide every head count (Ulysses gives each cp "
                "rank H/cp heads): use a cp that divides 2, or repeat the k/v heads to 4"),
-    ("mask", 2, "explicit attn_mask"),
     ("lse", 2, "output 1 (logsumexp) is used by"),
-    ("manual-mask", 2, "looks like an [S, S] attention mask"),
-    ("manual", 2, "cp=2, but the graph has no scaled_dot_product_attention"),
-], ids=["heads-not-divisible", "kv-heads-not-divisible", "explicit-mask", "logsumexp-used", "mask-table",
-                  "no-sdpa"])
+    ("bmm", 2, "is over 3-d scores; context parallelism rewrites attention over [batch, heads, seq, seq] scores"),
+    ("param-bias", 2, "depends on a parameter"),
+    ("weights-used", 2, "the attention probabilities softmax are used by"),
+    ("cumsum-mask", 2, "computed with cumsum"),
+    ("none", 2, "cp=2, but the graph has no attention"),
+], ids=["heads-not-divisible", "kv-heads-not-divisible", "logsumexp-used", "bmm-attention", "learned-bias",
+        "probabilities-used", "mask-op-not-followed", "no-attention"])
 def test_errors_name_the_problem_and_the_fix(fake_group, mode, cp, expect):
     from autopar.passes.context_parallel import apply_context_parallel
 
@@ -234,6 +262,8 @@ def test_errors_name_the_problem_and_the_fix(fake_group, mode, cp, expect):
     with pytest.raises(ValueError, match="autopar: ") as info:
         apply_context_parallel(captured, cp, 0, fake_group(cp))
     assert expect in str(info.value), str(info.value)
+    if mode != "none":  # names the node and the user's line
+        assert "[node " in str(info.value) and "test_context_parallel.py:" in str(info.value), str(info.value)
     assert captured.gm.code == before, "a failing pass must leave the graph as it was"
 
 
