@@ -21,6 +21,7 @@ IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_k
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
                 example_target=None, weights=None, mixed_precision=None, seed: int = 0, init_fn=None,
+                param_groups=None,
                 timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
                 bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
     """Parallelize ``model`` for training.
@@ -67,7 +68,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
         _build.check_world(plan)
     seconds = float(timeout if timeout is not None else os.environ.get("AUTOPAR_TIMEOUT", "300"))
     pm = ParallelModel(model, loss_fn, plan, optimizer=optimizer, options=dict(
-        weights=weights, mixed_precision=mixed_precision, seed=seed, init_fn=init_fn,
+        weights=weights, mixed_precision=mixed_precision, seed=seed, init_fn=init_fn, param_groups=param_groups,
         timeout=timedelta(seconds=seconds), generated=generated, grad_reduce=grad_reduce,
         bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers))
     if loss_fn is None or example_target is not None:

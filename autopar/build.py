@@ -64,8 +64,9 @@ class Built:
 
 
 def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
-          weights=None, mixed_precision=None, seed: int = 0, init_fn=None, timeout=None, generated: bool = True,
-          grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20, local_transfers: bool = False) -> Built:
+          weights=None, mixed_precision=None, seed: int = 0, init_fn=None, param_groups=None, timeout=None,
+          generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
+          local_transfers: bool = False) -> Built:
     """Every step of ``parallelize`` after its argument checks (see the module docstring)."""
     batch = batch_size(inputs, target)
     summary = None
@@ -87,12 +88,13 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     stages, schedule = split(captured=captured, plan=plan)
     params = unique_params(model)
     trainable = {f for f, p in params.items() if p.requires_grad}
+    options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
     programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
     values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
                            owners=owners, device=input_device(inputs))
     executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
                                        schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
-                                       trainable=trainable, values=values, precision=mixed_precision,
+                                       trainable=trainable, values=values, precision=mixed_precision, options=options,
                                        device=input_device(inputs), timeout=timeout, generated=generated,
                                        grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
                                        local_transfers=local_transfers)
@@ -106,10 +108,14 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
 # -- the steps --------------------------------------------------------------------------------
 
 
-def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None) -> tuple[Plan, str]:
-    """Ask the planner for this world; rank 0 decides (device profiles are measured per process,
-    so ranks could disagree) and broadcasts the plan."""
-    world, rank = (torch.distributed.get_world_size(), torch.distributed.get_rank()) if distributed() else (1, 0)
+def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None,
+                world: int | None = None) -> tuple[Plan, str]:
+    """Ask the planner for this world (``world``: its size, default the process group's);
+    rank 0 decides (device profiles are measured per process, so ranks could disagree) and
+    broadcasts the plan."""
+    rank = torch.distributed.get_rank() if distributed() else 0
+    if world is None:
+        world = torch.distributed.get_world_size() if distributed() else 1
     text = None
     if rank == 0:
         from autopar.passes.expert_parallel import expert_parameters, moe_blocks, refused_moe_blocks
@@ -123,17 +129,22 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         if device.name == "cpu":  # the ranks' processes share this host's memory
             limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
         t0 = time.perf_counter()
-        # CP is not searched here: the planner knows the head counts, but not whether the CP pass
-        # can rewrite this model (it refuses explicit attention masks, for one), and a chosen
-        # cp > 1 would then fail; set Plan(cp=...). EP is, for every model with MoE blocks the EP
-        # rewrite recognizes (autopar.nn.MoE, Hugging Face MoE blocks)
+        # CP is searched where the context-parallel pass can rewrite the model (the planner asks
+        # it per degree); EP for every model with MoE blocks the EP rewrite recognizes
+        # (autopar.nn.MoE, Hugging Face MoE blocks)
         blocks = [] if refused_moe_blocks(model) else moe_blocks(model)
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                                memory_limit=limit, allow_cp=False, allow_ep=bool(blocks), precision=precision,
+                                memory_limit=limit, allow_cp=True, allow_ep=bool(blocks), precision=precision,
                                 n_experts=min((n for _f, n in blocks), default=0),
                                 expert_prefixes=tuple(expert_parameters(model)) if blocks else (),
                                 zero_levels=(0, 1, 2, 3), name=type(model).__name__,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
+        priced: dict[tuple[int, int], list[str]] = {}
+        for c in res.candidates:
+            if c.estimate is not None and (c.layout.cp > 1 or c.layout.ep > 1):
+                priced.setdefault((c.layout.cp, c.layout.ep), []).append(c.layout.label())
+        for (cp, ep), labels in sorted(priced.items()):
+            log.info("autopar planner: priced %d layouts with cp=%d ep=%d, e.g. %s", len(labels), cp, ep, labels[0])
         if res.chosen is None:
             text = "error:" + report_text(res, _info)
         else:
@@ -320,8 +331,8 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
 
 
 def make_executor(*, model: nn.Module, captured, stages: list, programs: list, schedule, plan: Plan, mesh,
-                  owners: dict, params: dict, trainable: set[str], values, precision, device, timeout,
-                  generated: bool, grad_reduce: str, bucket_bytes: int, local_transfers: bool):
+                  owners: dict, params: dict, trainable: set[str], values, precision, options: dict, device,
+                  timeout, generated: bool, grad_reduce: str, bucket_bytes: int, local_transfers: bool):
     """The pipeline and data-parallel owners, the rest of this process's tensors, then the
     executor; returns it and the programs as it runs them (ZeRO-3 rewrites them)."""
     from autopar.parallel.data import DataParallel
@@ -339,7 +350,8 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
                       stage_params={s: programs[s].grad_params for s in mine},
                       expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
                       grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm,
-                      precision=precision, values=values, device=device)
+                      precision=precision, values=values, device=device, options=options,
+                      owner_of=lambda fqn: pipeline.rank is None or pipeline.owner_of.get(fqn) == pipeline.rank)
     owners["dp"] = dp
     # what else this process's stages read: parameters without a gradient, buffers (compute dtype)
     held_params, held_buffers = pipeline.held(stages)
@@ -382,6 +394,40 @@ def make_optimizer(*, factory, owners: dict):
 
 def distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def param_options(*, model: nn.Module, spec, aliases: dict[str, list[str]]) -> dict[str, dict]:
+    """Canonical FQN -> the options of its parameter group, from ``spec``: a callable
+    ``(fqn, parameter) -> dict`` (e.g. ``lambda fqn, p: {"weight_decay": 0.0} if p.ndim < 2 else
+    {}``) or a list of groups naming parameters by FQN (``[{"params": ["norm.weight", ...],
+    "weight_decay": 0.0}]``; parameters in no group get the optimizer's defaults)."""
+    if spec is None:
+        return {}
+    canonical = {n: names[0] for names in aliases.values() for n in names}
+    params = unique_params(model)
+    if callable(spec):
+        out = {}
+        for f, p in params.items():
+            opts = spec(f, p) or {}
+            if not isinstance(opts, dict) or "params" in opts:
+                raise ValueError(f"autopar: param_groups({f!r}, p) must return a dict of options without 'params', "
+                                 f"got {opts!r}")
+            out[f] = dict(opts)
+        return out
+    out: dict[str, dict] = {}
+    for i, group in enumerate(spec):
+        if not isinstance(group, dict) or "params" not in group:
+            raise ValueError(f"autopar: param_groups[{i}] must be a dict with 'params' (a list of FQNs), got {group!r}")
+        opts = {k: v for k, v in group.items() if k != "params"}
+        for f in group["params"]:
+            f = canonical.get(f, f)
+            if f not in params:
+                raise ValueError(f"autopar: param_groups[{i}] names {f!r}, which is not a parameter of "
+                                 f"{type(model).__name__} (e.g. {list(params)[:3]})")
+            if f in out:
+                raise ValueError(f"autopar: {f!r} is in two of param_groups")
+            out[f] = opts
+    return out
 
 
 def input_device(inputs: tuple) -> torch.device:

@@ -61,9 +61,10 @@ def resident_parameter_bytes(pm) -> int:
             count(g.master)
         for b in dp.storage.buffers:
             count(b)
-        count(dp.storage.resident)
-    master = getattr(dp.optimizer, "master", None)  # the ZeRO-1 shard
-    count(master)
+        for buf in dp.storage.residents.values():
+            count(buf)
+    for master in getattr(dp.optimizer, "masters", ()):  # the ZeRO-1 shards
+        count(master)
     return total
 
 

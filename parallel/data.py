@@ -31,8 +31,10 @@ from __future__ import annotations
 import torch
 
 from autopar.passes.zero_stream import stream_parameters
+from autopar.runtime import comms
 from autopar.runtime.grad_reduce import BucketedReducer, naive_all_reduce
 from autopar.runtime.materialize import assign
+from autopar.runtime.optim import MastersOptimizer
 from autopar.runtime.sharded import ShardedOptimizer, ShardedParameters
 from autopar.runtime.stage_work import ParamGrads
 from autopar.runtime.zero import ZeroOneOptimizer
@@ -62,40 +64,20 @@ class _Buffers(ParamGrads):
         self.buffers = {}
 
 
-class MastersOptimizer:
-    """The user's optimizer over fp32 masters; after each step the masters are cast into the
-    compute copies the programs read (mixed precision without ZeRO)."""
-
-    def __init__(self, factory, masters: dict[str, torch.nn.Parameter], compute: dict[str, torch.nn.Parameter],
-                 others: list[torch.nn.Parameter] = ()):
-        self.masters, self.compute = masters, compute
-        self.optimizer = factory(list(masters.values()) + list(others))
-
-    def step(self) -> None:
-        self.optimizer.step()
-        with torch.no_grad():
-            for f, m in self.masters.items():
-                self.compute[f].copy_(m)
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-
 class DataParallel(Parallelism):
     name = "dp"
 
     def __init__(self, *, zero: int, mesh, model, params: dict[str, torch.nn.Parameter], stage_params: dict[int, tuple],
                  expert_params: frozenset[str] = frozenset(), grad_reduce: str = "bucketed",
                  bucket_bytes: int = 25 * 2**20, timeout=None, comm=None, precision=None, values=None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, options: dict[str, dict] | None = None, owner_of=None):
         """``params``: canonical FQN -> Parameter (model order; the held ones real, the dict is
         kept current as compute copies replace them); ``stage_params``: this process's stage
         index -> the FQNs its programs compute gradients of; ``precision``: an
         ``autopar.MixedPrecision`` or None; ``values(fqns)``: whole values of parameters that are
-        not materialized (ZeRO-3 streamed groups of a meta model)."""
+        not materialized (ZeRO-3 streamed groups of a meta model); ``options``: FQN -> the options
+        of its parameter group (``weight_decay``, ...; default none); ``owner_of(fqn)``: whether
+        this pipeline rank counts a parameter held on several (tied) in the gradient norm."""
         assert grad_reduce in ("bucketed", "naive") and zero in (0, 1, 2, 3), (grad_reduce, zero)  # api/Plan check
         self.mesh, self.model, self.params, self.timeout, self.grad_reduce = mesh, model, params, timeout, grad_reduce
         self.precision = precision
@@ -106,6 +88,16 @@ class DataParallel(Parallelism):
         self.trained = [f for f in params if f in trained]  # model order
         self.experts = [f for f in self.trained if f in expert_params]
         plain = [f for f in self.trained if f not in expert_params]
+        self.owns = owner_of or (lambda fqn: True)
+        # the user's parameter-group option sets, and which one each parameter is in
+        options = options or {}
+        self.option_sets: list[dict] = [{}]
+        self.option_of: dict[str, int] = {}
+        for f in self.trained:
+            opts = options.get(f, {})
+            if opts not in self.option_sets:
+                self.option_sets.append(opts)
+            self.option_of[f] = self.option_sets.index(opts)
         compute = {f: self._compute_dtype(params[f]) for f in self.trained}
         self.layout = self.storage = None
         self.masters: dict[str, torch.nn.Parameter] = {}
@@ -114,7 +106,7 @@ class DataParallel(Parallelism):
             self._materialize([f for f in self.trained if params[f].is_meta], values)
         if self.zero >= 2:
             specs = [ParamSpec(f, tuple(params[f].shape)) for f in plain]
-            self.layout = zero_layout(specs, self.zero, replicas, tied=set(mesh.tied_groups))
+            self.layout = zero_layout(specs, self.zero, replicas, tied=set(mesh.tied_groups), option_of=self.option_of)
             kept = set(plain)
             streamed = {f for g in self.layout.groups if g.streamed for f in g.fqns}
 
@@ -225,9 +217,12 @@ class DataParallel(Parallelism):
             self.storage.stage_done(stage)
 
     def finish(self) -> None:
-        """After the pipeline and the tied-parameter sums: every gradient summed."""
+        """After the pipeline and the tied-parameter sums: every gradient summed (ZeRO-1/2/3:
+        reduce-scattered into the master shards' ``.grad``)."""
         if self.storage is not None:
             self.storage.finish()
+        if self.zero == 1 and self.optimizer is not None:
+            self.optimizer.reduce()
         if self.grad_reduce == "bucketed":
             for reducer in self.reducers:
                 reducer.finish(self.timeout)
@@ -237,24 +232,76 @@ class DataParallel(Parallelism):
 
     # -- optimizer ----------------------------------------------------------------------------
 
+    def _param_groups(self, fqns: list[str], tensor) -> list[dict]:
+        """Parameter groups of ``fqns`` (``tensor(fqn)``: what the optimizer steps), one per
+        option set, in the order the sets first appear."""
+        groups = [{"params": [tensor(f) for f in fqns if self.option_of[f] == k], **opts}
+                  for k, opts in enumerate(self.option_sets)]
+        return [g for g in groups if g["params"]]
+
     def make_optimizer(self, factory):
         """The user's optimizer over what this rank trains, sharded per the ZeRO level
-        (expert-parallel shards are stepped whole beside the ZeRO shards)."""
-        experts = [self.masters.get(f, self.params[f]) for f in self.experts]
+        (expert-parallel shards are stepped whole beside the ZeRO shards), one parameter group
+        per option set; a ``torch.optim.Optimizer`` at every level (runtime/optim.py)."""
+        experts = self._param_groups(self.experts, lambda f: self.masters.get(f, self.params[f]))
         plain = [f for f in self.trained if f not in set(self.experts)]
         if self.zero == 0 and self.masters:
-            self.optimizer = MastersOptimizer(factory, {f: self.masters[f] for f in plain},
-                                              {f: self.params[f] for f in plain}, experts)
+            inner = factory(self._param_groups(plain, self.masters.__getitem__) + experts)
+            self.optimizer = MastersOptimizer(inner, {f: self.masters[f] for f in plain},
+                                              {f: self.params[f] for f in plain})
         elif self.zero == 0:
-            self.optimizer = factory([self.params[f] for f in self.trained])
+            self.optimizer = factory(self._param_groups(self.trained, self.params.__getitem__))
         elif self.zero == 1:
-            self.optimizer = ZeroOneOptimizer(plain, self.params, self.grads, factory, self.mesh.replica_group,
+            # one flat set per option set; a parameter held on several pipeline ranks alone, so
+            # the gradient norm can count it on one of them
+            tied = [f for f in plain if f in self.mesh.tied_groups]
+            sets = [([f for f in plain if self.option_of[f] == k and f not in tied], opts)
+                    for k, opts in enumerate(self.option_sets)]
+            sets = [s for s in sets if s[0]] + [([f], self.option_sets[self.option_of[f]]) for f in tied]
+            self.optimizer = ZeroOneOptimizer(sets, self.params, self.grads, factory, self.mesh.replica_group,
                                               self.mesh.replicas, self.mesh.replica, others=experts,
                                               initial=getattr(self, "_initial", None), reduce_dtype=self.reduce_dtype)
-            self.__dict__.pop("_initial", None)  # the fp32 whole values are in the shard now
+            self.__dict__.pop("_initial", None)  # the fp32 whole values are in the shards now
         else:
-            self.optimizer = ShardedOptimizer(self.storage, factory, experts)
+            self.optimizer = ShardedOptimizer(self.storage, factory, self.option_sets, experts)
         return self.optimizer
+
+    # -- gradient clipping --------------------------------------------------------------------
+
+    def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
+        """The global L2 norm of the step's gradients, every trained parameter counted once
+        (summed over pipeline ranks, ZeRO shards and expert shards; replicas hold copies: counted
+        on one; a tied parameter on its owner pipeline rank), computed after the reduction; with
+        ``max_norm`` every gradient the optimizer reads is scaled as
+        ``torch.nn.utils.clip_grad_norm_`` would (by ``max_norm / (norm + 1e-6)`` if below 1)."""
+        mesh = self.mesh
+        first = mesh is None or mesh.replica == 0          # replicated gradients: count them once
+        first_expert = mesh is None or mesh.replica // mesh.ep == 0
+        parts, scaled = [], []                              # (tensor, counted here?)
+        plain = [f for f in self.trained if f not in set(self.experts)]
+        if self.storage is not None:
+            parts += [(g.master.grad, g.tied is None or self.owns(g.tied)) for g in self.storage.groups]
+        elif self.zero == 1 and self.optimizer is not None:
+            parts += [(s.master.grad, len(s.names) != 1 or s.names[0] not in mesh.tied_groups or self.owns(s.names[0]))
+                      for s in self.optimizer.sets]
+        else:
+            parts += [(self.grads.accumulator(f), first and self.owns(f)) for f in plain]
+        parts += [(self.grads.accumulator(f), first_expert) for f in self.experts]
+        parts = [(g, counted) for g, counted in parts if g is not None]
+        device = parts[0][0].device if parts else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for g, counted in parts:
+            if counted:
+                total += g.detach().float().pow(2).sum()
+            scaled.append(g)
+        if mesh is not None:
+            comms.all_reduce_sum(total)  # every rank of the world: pipeline, replicas, experts
+        norm = total.sqrt()
+        if max_norm is not None:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in scaled:
+                g.mul_(coef.to(g.dtype))
+        return norm
 
     # -- state --------------------------------------------------------------------------------
 

@@ -8,7 +8,9 @@ numbered block such as ``layers.3``, else the owning module). A parameter held b
 several pipeline ranks (a tied embedding/head) forms a group alone: its gradient is summed
 over its holders before the group is reduce-scattered. Under ZeRO-3 the parameters with fewer
 than 2 dims (norms, biases) form one *resident* group instead, gathered once after each
-optimizer step and kept whole.
+optimizer step and kept whole. A group holds the parameters of one option set of the user's
+parameter groups only (``option_of``: weight decay on or off, say): the layer's others form a
+group of their own, named ``<group>/<option set>``.
 
 Each group is one flat vector of ``numel`` elements padded to ``padded``, a multiple of the
 replica count R (dp*cp); every replica keeps one contiguous ``padded / R`` shard, its fp32
@@ -56,6 +58,7 @@ class GroupSpec:
     padded: int            # numel rounded up to a multiple of the replica count
     streamed: bool         # ZeRO-3: whole values live only in a gather buffer while in use
     tied: bool             # a parameter held on several pipeline ranks, alone in its group
+    options: int = 0       # index of the parameter-group option set its parameters share
 
 
 @dataclass(frozen=True)
@@ -69,8 +72,9 @@ class ZeroLayout:
         return g.padded // self.replicas
 
     @property
-    def resident(self) -> GroupSpec | None:
-        return next((g for g in self.groups if g.name == RESIDENT), None)
+    def residents(self) -> tuple[GroupSpec, ...]:
+        """ZeRO-3: the groups kept whole (norms and biases, one group per option set)."""
+        return tuple(g for g in self.groups if self.zero == 3 and not g.streamed)
 
     @property
     def gather_numel(self) -> int:
@@ -97,9 +101,8 @@ class ZeroLayout:
         if self.zero == 2:
             out["whole parameters"] = self.numel * itemsize
         else:
-            res = self.resident
             out["gather buffers"] = (2 if self.gather_numel else 0) * self.gather_numel * itemsize
-            out["resident"] = res.padded * itemsize if res is not None else 0
+            out["resident"] = sum(g.padded for g in self.residents) * itemsize
         return out
 
     def gradient_bytes(self) -> int:
@@ -117,14 +120,15 @@ def layer_group(fqn: str) -> str:
     return ".".join(parts[:-1]) or parts[0]
 
 
-def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Collection[str] = ()) -> ZeroLayout:
+def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Collection[str] = (),
+                option_of: dict[str, int] | None = None) -> ZeroLayout:
     """The flat groups of ``params`` (one rank's trained parameters, model order) for ZeRO
     level ``zero`` (2 or 3) over ``replicas`` replicas; ``tied``: FQNs held on several
-    pipeline ranks (each alone in a group)."""
+    pipeline ranks (each alone in a group); ``option_of``: FQN -> option-set index (default 0)."""
     assert zero in (2, 3), zero
     assert replicas >= 1, replicas
-    tied = set(tied)
-    by_name: dict[str, list[ParamSpec]] = {}
+    tied, option_of = set(tied), option_of or {}
+    by_name: dict[tuple[str, int], list[ParamSpec]] = {}
     for p in params:
         if p.fqn in tied:
             name = p.fqn
@@ -132,9 +136,10 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
             name = RESIDENT
         else:
             name = layer_group(p.fqn)
-        by_name.setdefault(name, []).append(p)
+        by_name.setdefault((name, option_of.get(p.fqn, 0)), []).append(p)
     groups = []
-    for name, members in by_name.items():
+    for (base, opt), members in by_name.items():
+        name = base if opt == 0 else f"{base}/{opt}"
         offsets, total = [], 0
         for p in members:
             offsets.append(total)
@@ -142,5 +147,5 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
         groups.append(GroupSpec(
             name=name, fqns=tuple(p.fqn for p in members), shapes=tuple(p.shape for p in members),
             offsets=tuple(offsets), numel=total, padded=-(-total // replicas) * replicas,
-            streamed=zero == 3 and name != RESIDENT, tied=name in tied))
+            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt))
     return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups))

@@ -30,7 +30,19 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     kw = {}
     if schedules:
         kw["schedules"] = tuple(schedules)
-    req = Request(gpus=gpus, global_batch=global_batch,
+    blocker = None
+    if allow_cp and prof.captured is not None:
+        from functools import lru_cache
+
+        from autopar.passes.context_parallel import context_parallel_blocker
+
+        blocker = lru_cache(maxsize=None)(lambda cp: context_parallel_blocker(prof.captured, cp))
+        for cp in range(2, gpus + 1):
+            if gpus % cp == 0 and progress is not None:
+                why = blocker(cp)
+                progress(f"cp={cp}: " + ("the context-parallel pass can rewrite the model" if why is None
+                                         else f"not searched: {why.splitlines()[0][:200]}"))
+    req = Request(gpus=gpus, global_batch=global_batch, cp_blocker=blocker,
                   memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
                   exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
                   ilp_time_limit=ilp_time_limit, **kw)

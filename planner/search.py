@@ -47,6 +47,10 @@ class Request:
     zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
     top_ilp: int = 4
     ilp_time_limit: float = 2.0
+    # cp -> None when context parallelism can rewrite the model at that degree, else why not
+    # (passes/context_parallel.context_parallel_blocker on the profile's capture); None: judge by
+    # the attention head count alone
+    cp_blocker: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         if self.gpus < 1:
@@ -155,8 +159,9 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
         if pp > U:
             continue
         for cp in divisors(N // pp):
-            if cp > 1 and (not req.allow_cp or cp > req.max_cp or not profile.n_heads
-                           or profile.n_heads % cp or seq % cp):
+            if cp > 1 and (not req.allow_cp or cp > req.max_cp or seq % cp or (
+                    req.cp_blocker(cp) is not None if req.cp_blocker is not None
+                    else not profile.n_heads or profile.n_heads % cp)):
                 continue
             dp = N // (pp * cp)
             if req.global_batch % dp:

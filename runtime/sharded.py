@@ -38,6 +38,7 @@ import torch.nn as nn
 from autopar.parallel.zero_layout import ZeroLayout
 
 from . import comms
+from .optim import WrappedOptimizer
 
 
 @dataclass
@@ -54,6 +55,7 @@ class FlatGroup:
     streamed: bool                 # ZeRO-3: whole values live only in a gather buffer while in use
     tied: str | None               # fqn of the tied parameter this group holds (alone), or None
     stages: frozenset[int]         # this rank's stages that compute its gradients
+    options: int = 0               # the parameter-group option set of its parameters
     master: nn.Parameter = None    # this replica's fp32 shard
     grad_full: torch.Tensor | None = None
     pending: set[int] = field(default_factory=set)
@@ -93,7 +95,8 @@ class ShardedParameters:
             def values(fqns):
                 return {f: params[f].detach() for f in fqns}
         self.groups: list[FlatGroup] = []
-        resident_flat = None
+        # ZeRO-3: each resident group's whole values (the caller points its parameters at them)
+        self.residents: dict[str, torch.Tensor] = {}
         for spec in layout.groups:
             fqns = spec.fqns
             dtypes = {params[f].dtype for f in fqns}
@@ -102,14 +105,14 @@ class ShardedParameters:
                                  "give the parameters of one layer one dtype")
             g = FlatGroup(spec.name, fqns, spec.shapes, spec.offsets, spec.numel, spec.padded, dtype or dtypes.pop(),
                           streamed=spec.streamed, tied=fqns[0] if spec.tied else None,
-                          stages=frozenset(s for f in fqns for s in users[f]))
+                          stages=frozenset(s for f in fqns for s in users[f]), options=spec.options)
             shard = layout.shard(spec)
             with torch.no_grad():
                 got = values(fqns)
                 flat = self._flatten(g, [got[f].to(device) for f in fqns], torch.float32)
                 g.master = nn.Parameter(flat[replica * shard: (replica + 1) * shard].clone())
                 if self.zero == 3 and not g.streamed:
-                    resident_flat = flat.to(g.dtype)
+                    self.residents[g.name] = flat.to(g.dtype)
             del got, flat
             self.groups.append(g)
         self.group_of = {f: g for g in self.groups for f in g.fqns}
@@ -127,15 +130,11 @@ class ShardedParameters:
         self.gathers = 0           # all-gathers issued (for tests and benchmarks)
         self.overflow_gathers = 0  # fetches that found both buffers in use (a temporary was allocated)
         self._reductions: list = []
-        # ZeRO-3: the resident group's whole values (the caller points its parameters at them)
-        self.resident: torch.Tensor | None = resident_flat
 
     def resident_views(self) -> dict[str, torch.Tensor]:
         """ZeRO-3: FQN -> view of the resident buffer each resident parameter must be."""
-        if self.resident is None:
-            return {}
-        res = next(g for g in self.groups if not g.streamed)
-        return dict(zip(res.fqns, res.views(self.resident)))
+        return {f: v for name, buf in self.residents.items() for f, v in zip(self.by_name[name].fqns,
+                                                                             self.by_name[name].views(buf))}
 
     # -- layout ---------------------------------------------------------------------------------
 
@@ -285,9 +284,8 @@ class ShardedParameters:
                         self.params[f].copy_(v)
             return
         self.holds = [None, None]  # buffer contents are stale now
-        res = self.by_name.get(self.layout.resident.name) if self.layout.resident is not None else None
-        if res is not None:
-            w = self._gather(res, self.resident, async_op=True)
+        works = [self._gather(self.by_name[name], buf, async_op=True) for name, buf in self.residents.items()]
+        for w in works:
             if w is not None:
                 w.wait(self.timeout)
 
@@ -312,27 +310,23 @@ class ShardedParameters:
                 flat = self._flatten(g, [values[f] for f in g.fqns], torch.float32)
                 shard = g.padded // self.replicas
                 g.master.copy_(flat[self.replica * shard: (self.replica + 1) * shard])
-                if self.resident is not None and not g.streamed:
-                    self.resident.copy_(flat)  # the resident parameters are views of it
+                if g.name in self.residents:
+                    self.residents[g.name].copy_(flat)  # the resident parameters are views of it
                 elif not g.streamed:
                     for f, v in zip(g.fqns, g.views(flat)):
                         self.params[f].data.copy_(v)
         self.holds = [None, None]  # the gather buffers hold values from before the load
 
 
-class ShardedOptimizer:
-    """The user's optimizer over the shards (plus any parameters not sharded here)."""
+class ShardedOptimizer(WrappedOptimizer):
+    """The user's optimizer over the shards, one parameter group per option set (plus
+    ``others``: parameter groups not sharded here), then the shards to where programs read."""
 
-    def __init__(self, sharded: ShardedParameters, optimizer_factory, others: list[nn.Parameter]):
+    def __init__(self, sharded: ShardedParameters, optimizer_factory, options: list[dict], others: list[dict]):
         self.sharded = sharded
-        self.optimizer = optimizer_factory(sharded.masters() + list(others))
+        groups = [{"params": [g.master for g in sharded.groups if g.options == k], **opts}
+                  for k, opts in enumerate(options)]
+        super().__init__(optimizer_factory([g for g in groups if g["params"]] + list(others)))
 
-    def step(self) -> None:
-        self.optimizer.step()
+    def _after_step(self) -> None:
         self.sharded.after_step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()

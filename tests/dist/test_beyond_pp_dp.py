@@ -53,8 +53,7 @@ def _train_many(rank, world, subcases):
                         # two gather buffers, the whole resident group
                         "parameter_bytes": sum(g.master.numel() * 4 for g in sharded.groups)
                         + sum(b.numel() * b.element_size() for b in sharded.buffers)
-                        + (sharded.resident.numel() * sharded.resident.element_size()
-                           if sharded.resident is not None else 0),
+                        + sum(b.numel() * b.element_size() for b in sharded.residents.values()),
                         "freed": all(params[f].data.numel() == 0 for f in streamed),
                         "streamed": len(streamed)}
             state = {k: v.clone() for k, v in pm.state_dict().items()}

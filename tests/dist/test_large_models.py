@@ -81,30 +81,11 @@ def _write_checkpoints(tmp) -> dict:
                                                                        for k, v in state.items()}}
 
 
-def _real_parameter_bytes(pm) -> int:
-    """Bytes of real parameter storage on this rank: distinct storages of the model's parameters
-    (meta ones have none) plus the ZeRO-2/3 masters and gather buffers."""
-    seen, total = set(), 0
-    for p in pm.model.parameters():
-        if p.is_meta or not p.numel():
-            continue
-        key = p.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += p.untyped_storage().nbytes()
-    storage = pm.built.parallelisms["dp"].storage
-    if storage is not None:
-        total += sum(g.master.numel() * 4 for g in storage.groups)
-        total += sum(b.numel() * b.element_size() for b in storage.buffers)
-        if storage.resident is not None and storage.resident.untyped_storage().data_ptr() not in seen:
-            total += storage.resident.numel() * storage.resident.element_size()
-    return total
-
-
 def _run(rank, world, subcases, files):
     import traceback
 
     import autopar
+    from autopar.inspect import resident_parameter_bytes
 
     out = []
     for name, kind, plan in subcases:
@@ -129,7 +110,7 @@ def _run(rank, world, subcases, files):
                 continue
             pm = autopar.parallelize(model, inputs, loss_fn=gpt_loss32, optimizer=_opt(), plan=autopar.Plan(**plan),
                                      example_target=target, **kw)
-            res = {"pp_rank": pm.built.mesh.pp_rank, "real_bytes": _real_parameter_bytes(pm)}
+            res = {"pp_rank": pm.built.mesh.pp_rank, "real_bytes": resident_parameter_bytes(pm)}
             mine = {f for s in pm.built.parallelisms["pp"].my_stages for f in pm.stages[s].params}
             dp = pm.built.parallelisms["dp"]
             res["not_held_on_meta"] = all(p.is_meta for f, p in pm.built.params.items()
