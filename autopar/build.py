@@ -55,7 +55,8 @@ class Built:
     mesh: object = None
     parallelisms: dict = field(default_factory=dict)  # name ("pp", "dp", "cp", "ep") -> owner
     optimizer: object = None
-    planner_summary: str | None = None
+    prediction: dict | None = None  # the planner's summary and predicted step time / peak, when it planned
+    device: torch.device = torch.device("cpu")
     checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
 
     @property
@@ -66,12 +67,14 @@ class Built:
 def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
           weights=None, mixed_precision=None, seed: int = 0, init_fn=None, param_groups=None, timeout=None,
           generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
-          local_transfers: bool = False) -> Built:
-    """Every step of ``parallelize`` after its argument checks (see the module docstring)."""
-    batch = batch_size(inputs, target)
-    summary = None
+          local_transfers: bool = False, local_replicas: int = 1) -> Built:
+    """Every step of ``parallelize`` after its argument checks (see the module docstring).
+    ``local_replicas``: the inputs are one dp replica's batch (``batch="local"``): the global
+    batch is that many times theirs."""
+    batch = batch_size(inputs, target) * local_replicas
+    prediction = None
     if plan is None:
-        plan, summary = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
+        plan, prediction = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
                                     precision=mixed_precision)
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
@@ -102,14 +105,15 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     return Built(plan=plan, captured=captured, stages=stages, programs=programs, schedule=schedule,
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
-                 optimizer=opt, planner_summary=summary, checkpoint=checkpoint[0] if checkpoint else None)
+                 optimizer=opt, prediction=prediction, checkpoint=checkpoint[0] if checkpoint else None,
+                 device=input_device(inputs))
 
 
 # -- the steps --------------------------------------------------------------------------------
 
 
 def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None,
-                world: int | None = None) -> tuple[Plan, str]:
+                world: int | None = None) -> tuple[Plan, dict]:
     """Ask the planner for this world (``world``: its size, default the process group's);
     rank 0 decides (device profiles are measured per process, so ranks could disagree) and
     broadcasts the plan."""
@@ -155,7 +159,8 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
                        f"heaviest rank ({len(res.feasible())} feasible plans priced in "
                        f"{time.perf_counter() - t0:.1f} s)")
             log.info("autopar: %s; plan %s", summary, chosen.to_json())
-            text = json.dumps({"plan": chosen.to_json(), "summary": summary})
+            text = json.dumps({"plan": chosen.to_json(), "summary": summary, "step_s": est.step_time,
+                               "peak_bytes": max(est.peak_memory)})
     if distributed():
         box = [text]
         torch.distributed.broadcast_object_list(box, src=0)
@@ -163,7 +168,8 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
     if text.startswith("error:"):
         raise ValueError("autopar: no plan fits this world; the planner's report:\n" + text[len("error:"):])
     data = json.loads(text)
-    return Plan.from_json(data["plan"]), data["summary"]
+    return Plan.from_json(data["plan"]), {"summary": data["summary"], "predicted_step_s": data["step_s"],
+                                          "predicted_peak_bytes": data["peak_bytes"]}
 
 
 def check_world(plan: Plan) -> None:

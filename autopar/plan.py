@@ -67,8 +67,12 @@ class Plan:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "Plan":
-        data = json.loads(text)
+    def from_json(cls, text: str | dict) -> "Plan":
+        """The inverse of ``to_json``; also takes the JSON of ``autopar plan --json`` (its
+        ``recompute_stages`` is ``recompute``; its predictions and report keys are ignored)."""
+        data = json.loads(text) if isinstance(text, (str, bytes)) else dict(text)
+        if "recompute_stages" in data and "recompute" not in data:
+            data["recompute"] = data["recompute_stages"]
         known = {f.name for f in fields(cls)}
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known})
 

@@ -119,4 +119,6 @@ def is_random(node: fx.Node) -> bool:
 
 
 def graph_flops(gm: fx.GraphModule) -> int:
-    return sum(n.meta.get("autopar_flops", 0) for n in gm.graph.nodes)
+    """FLOPs of the ops a graph runs (a placeholder standing for a value another program
+    computed carries that op's meta, not its cost)."""
+    return sum(n.meta.get("autopar_flops", 0) for n in gm.graph.nodes if n.op == "call_function")

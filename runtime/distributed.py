@@ -19,6 +19,8 @@ import torch
 
 from autopar.passes import keys
 from autopar.passes.program import StageInfo, StageProgram
+from autopar.schedules.ir import forward_only
+from autopar.schedules.lower import lower
 
 from . import comms
 from .actions import interpret
@@ -63,6 +65,8 @@ class DistributedPipeline:
         self.step_index = 0
         self._m = schedule.num_microbatches
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
+        self._eval_actions = None  # the lowered forward-only program of an evaluation, made on first use
+        self.training = True
         if generated:
             self.program = compile_step(generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank,
                                                         mesh.pp_rank))
@@ -98,19 +102,27 @@ class DistributedPipeline:
     # compute) per lowered action. `interpret` walks the action list; `generate` writes the same
     # calls out as straight-line Python (runtime/codegen.py). Both must give identical results.
 
-    def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+    def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float, train: bool = True) -> torch.Tensor:
+        """One step (``train=False``: an evaluation pass, the forwards only, stage by stage, with
+        no gradient, no reduction and no buffer update); returns the loss."""
         self.work.begin(microbatches, loss_scale)
+        self.training = train
         self._wb_done: dict[int, int] = {}
-        self.dp.begin_step()
+        if train:
+            self.dp.begin_step()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
         self._posted: set[tuple[str, int, int]] = set()  # this step's receives, consumed or not
         self._sends: list = []
         self.executed = []
         try:
-            if self._prefetch:
+            if self._prefetch and train:
                 for key in self._recv_first:
                     self._post(key)
-            if self.program is not None:
+            if not train:
+                if self._eval_actions is None:
+                    self._eval_actions = lower(forward_only(self.schedule)).actions[self.mesh.pp_rank]
+                interpret(self, self._eval_actions, self.owner, self.mesh.pp_rank)
+            elif self.program is not None:
                 self.program(self)
             else:
                 interpret(self, self.lowered.actions[self.mesh.pp_rank], self.owner, self.mesh.pp_rank)
@@ -118,8 +130,9 @@ class DistributedPipeline:
             self.at("waiting for sends to finish")
             for w, _t in self._sends:
                 w.wait(self.timeout)
-            self.at("gradient reduction")
-            self._sync_grads()
+            if train:
+                self.at("gradient reduction")
+                self._sync_grads()
             loss = self._broadcast_loss(self.work.total_loss())
         except (RuntimeError, ValueError) as e:
             if isinstance(e, PeerTimeout):
@@ -172,7 +185,7 @@ class DistributedPipeline:
 
     def _consume(self, key: tuple[str, int, int]) -> comms.PendingRecv:
         """The posted receive `key`, after posting the next receive from the same peer."""
-        nxt = self._recv_next.get(key) if self._prefetch else None
+        nxt = self._recv_next.get(key) if self._prefetch and self.training else None
         if nxt is not None and nxt not in self._posted:  # (receives may be consumed out of order)
             self._post(nxt)
         return self._pending.pop(key)
@@ -194,7 +207,7 @@ class DistributedPipeline:
 
     def forward(self, s: int, k: int) -> None:
         self.at(f"running {s}F{k}")
-        self.work.forward(s, k)
+        self.work.forward(s, k, train=self.training)
         if s + 1 == self.schedule.num_stages:
             self.work.take_outputs(s, k)
         elif self.owner[s + 1] == self.mesh.pp_rank:  # next stage on this rank: hand over in place

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.passes.split_backward import StageProgram
+from autopar.passes.program import StageProgram
 from autopar.schedules.deps import Key, needs, produces
+from autopar.schedules.ir import forward_only
 
 from .actions import run_action
 from .stage_work import StageWork
@@ -39,21 +40,25 @@ class LocalPipeline:
             assert set(cur.grad_inputs) == set(prev.diff_outputs), (s, cur.grad_inputs, prev.diff_outputs)
         self.work = StageWork(dict(enumerate(programs)), self.num_stages, state, grads)
         self.executed: list[list[str]] = []  # per rank, the compute actions in the order they ran
+        self.training = True
 
-    def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> torch.Tensor:
+    def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float, train: bool = True) -> torch.Tensor:
         """One pass of the schedule over ``microbatches`` (each a dict data-key -> tensor).
 
-        Gradients accumulate into ``params[...].grad``; buffers are updated in place after each
-        F. Returns the sum over microbatches of ``loss * loss_scale``.
+        Gradients accumulate into ``grads``; buffers are updated in place after each F. Returns
+        the sum over microbatches of ``loss * loss_scale``. ``train=False``: the forwards only
+        (an evaluation: nothing kept for a backward, no buffer updated).
         """
         m = len(microbatches)
         if m != self.schedule.num_microbatches:
             raise ValueError(f"autopar: the schedule was built for {self.schedule.num_microbatches} microbatches, "
                              f"got {m}")
         self.work.begin(microbatches, loss_scale)
-        owner = self.schedule.stage_to_rank
+        self.training = train
+        schedule = self.schedule if train else forward_only(self.schedule)
+        owner = schedule.stage_to_rank
         done: set[Key] = set()  # the values computed so far
-        actions = [list(a) for a in self.schedule.actions]
+        actions = [list(a) for a in schedule.actions]
         cursor = [0] * len(actions)
         self.executed = [[] for _ in actions]
         remaining = sum(len(a) for a in actions)
@@ -72,7 +77,7 @@ class LocalPipeline:
                     progressed = True
             if not progressed:
                 stuck = {r: str(acts[cursor[r]]) for r, acts in enumerate(actions) if cursor[r] < len(acts)}
-                raise RuntimeError(f"autopar: schedule {self.schedule.name} cannot make progress; "
+                raise RuntimeError(f"autopar: schedule {schedule.name} cannot make progress; "
                                    f"next action per rank: {stuck}")
         return self.work.total_loss()
 
@@ -95,7 +100,7 @@ class LocalPipeline:
             self.work.put_grads(s, k, self._in_flight.pop(("B", s, k)).wait())
 
     def forward(self, s: int, k: int) -> None:
-        self.work.forward(s, k)
+        self.work.forward(s, k, train=self.training)
         outputs = self.work.take_outputs(s, k)
         if s + 1 < self.num_stages:
             if self._crosses(s, s + 1):

@@ -8,6 +8,7 @@ between stages (in-process hand-off or P2P): they deposit received values with
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from autopar.passes import keys
 from autopar.passes.program import StageProgram
@@ -69,37 +70,47 @@ class StageWork:
 
     # -- compute ---------------------------------------------------------------------------
 
-    def forward(self, s: int, k: int) -> None:
+    def forward(self, s: int, k: int, train: bool = True) -> None:
+        """Stage s's F on microbatch k. ``train=False`` (evaluation): nothing is kept for a
+        backward and buffers are not updated."""
         prog, env = self.programs[s], self.envs[s, k]
-        run(prog.f, env, self.state, keep=prog.keys_after("F"))
+        keep = prog.keys_after("F") if train else _NOTHING
+        with record_function(f"{s}F{k}"):
+            run(prog.f, env, self.state, keep=keep)
         for fqn in prog.stage.buffer_updates:
-            with torch.no_grad():
-                self.state[keys.buffer(fqn)].copy_(env.pop(keys.update(fqn)))
+            update = env.pop(keys.update(fqn))
+            if train:
+                with torch.no_grad():
+                    self.state[keys.buffer(fqn)].copy_(update)
         if prog.stage.has_loss:
             loss = env.pop(keys.LOSS)
             self.losses[k] = loss
-            if self._scale is None:
+            if self._scale is None and train:
                 self._scale = torch.full((), self._loss_scale, dtype=loss.dtype, device=loss.device)
-            env[keys.grad(keys.LOSS)] = self._scale
+            if train:
+                env[keys.grad(keys.LOSS)] = self._scale
         outputs = {name: env.pop(keys.out(name)) for name in prog.stage.outputs}
-        _release(env, prog.keys_after("F"))
+        _release(env, keep)
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
 
     def input_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        run(prog.i, env, self.state, keep=prog.keys_after("I"))
+        with record_function(f"{s}I{k}"):
+            run(prog.i, env, self.state, keep=prog.keys_after("I"))
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, prog.keys_after("I") | {"__outputs__"})
         env["__gin__"] = gin
 
     def weight_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        self._gradients(s, prog.w, env)
+        with record_function(f"{s}W{k}"):
+            self._gradients(s, prog.w, env)
         _release(env, frozenset({"__gin__", "__outputs__"}))
 
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        self._gradients(s, prog.b, env)
+        with record_function(f"{s}B{k}"):
+            self._gradients(s, prog.b, env)
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, frozenset({"__outputs__"}))
         env["__gin__"] = gin

@@ -16,6 +16,7 @@ from autopar.schedules.ir import (
     COMPUTE_TYPES,
     Action,
     Schedule,
+    forward_only,
 )
 from autopar.schedules.lower import Lowered, check_deadlock_free, lower
 from autopar.schedules.registry import GENERATORS, build, check, default_stages_per_rank, get, names
@@ -23,7 +24,7 @@ from autopar.schedules.simulate import SimResult, peak_memory, simulate
 from autopar.schedules.validate import validate
 
 __all__ = [
-    "Action", "Schedule", "Costs", "SimResult", "Lowered",
+    "Action", "Schedule", "forward_only", "Costs", "SimResult", "Lowered",
     "build", "names", "default_stages_per_rank", "check", "get", "GENERATORS",
     "simulate", "peak_memory", "validate", "lower", "check_deadlock_free",
     "search_zb_auto", "as_costs", "activation_units",

@@ -155,6 +155,15 @@ class Schedule:
         )
 
 
+def forward_only(schedule: Schedule) -> Schedule:
+    """Every F of ``schedule``, stage by stage on each rank (all microbatches of a rank's first
+    stage, then of its next): the order of an evaluation pass, no backward."""
+    acts = [[Action(s, F, k) for s in schedule.stages_of(r) for k in range(schedule.num_microbatches)]
+            for r in range(schedule.pp)]
+    return make_schedule(f"{schedule.name} forward", schedule.pp, schedule.stage_to_rank, schedule.num_microbatches,
+                         acts)
+
+
 def make_schedule(name: str, pp: int, stage_to_rank, num_microbatches: int, actions, overlap=()) -> Schedule:
     """Build a Schedule from per-rank lists (generators call this)."""
     return Schedule(name=name, pp=pp, num_stages=len(stage_to_rank), stage_to_rank=tuple(stage_to_rank),

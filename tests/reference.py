@@ -66,6 +66,10 @@ def eager_reference(
     dp: int = 1,
     num_microbatches: int = 1,
     steps: int = 2,
+    param_groups: Optional[Callable] = None,
+    scheduler: Optional[Callable] = None,
+    max_grad_norm: Optional[float] = None,
+    norms: Optional[list] = None,
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
     """Design.md §5: split the global batch into dp contiguous slices, each into
     num_microbatches equal microbatches (order: replica 0 mb 0..m-1, replica 1 ...); for each:
@@ -76,6 +80,11 @@ def eager_reference(
     means the model output is the loss (``target`` is then ignored). ``optimizer_factory``
     takes an iterable of parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
 
+    ``param_groups(fqn, p) -> options``: the optimizer gets one group per option set;
+    ``scheduler(optimizer)``: an lr scheduler stepped after every optimizer step;
+    ``max_grad_norm``: ``torch.nn.utils.clip_grad_norm_`` before each step (its norms appended
+    to ``norms``).
+
     Returns ``(losses, state)``: ``losses[s]`` is a detached 0-dim tensor, the sum of the
     scaled microbatch losses of step ``s``; ``state`` is ``{fqn: tensor.clone()}`` of the final
     ``state_dict()`` including buffers.
@@ -85,7 +94,20 @@ def eager_reference(
     x_mbs = _split_tree(tuple(inputs), dp, num_microbatches)
     y_mbs = (_split_tree(target, dp, num_microbatches) if loss_fn is not None
              else [None] * n_total)
-    optimizer = optimizer_factory(model.parameters())
+    if param_groups is None:
+        optimizer = optimizer_factory(model.parameters())
+    else:
+        sets: list[tuple[dict, list]] = []
+        for fqn, p in model.named_parameters():
+            opts = param_groups(fqn, p) or {}
+            for o, ps in sets:
+                if o == opts:
+                    ps.append(p)
+                    break
+            else:
+                sets.append((opts, [p]))
+        optimizer = optimizer_factory([{"params": ps, **o} for o, ps in sets])
+    sched = scheduler(optimizer) if scheduler is not None else None
     optimizer.zero_grad(set_to_none=True)
     losses: list[torch.Tensor] = []
     for _ in range(steps):
@@ -97,8 +119,14 @@ def eager_reference(
             scaled.backward()
             total = scaled.detach() if total is None else total + scaled.detach()
         losses.append(total)
+        if max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+            if norms is not None:
+                norms.append(norm.detach())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
     return losses, state_copy(model)
 
 

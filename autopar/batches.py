@@ -1,0 +1,70 @@
+"""From the batch a process passes to ``step`` / ``evaluate`` to the microbatches it runs.
+
+``batch="global"`` (the default): every process passes the same global batch; dp replica r
+takes the r-th contiguous slice along dim 0, cut into ``num_microbatches`` microbatches
+(design.md §5). ``batch="local"``: each process passes only its dp replica's slice
+(``global / dp`` samples, e.g. from a ``DistributedSampler`` over ``pm.data_parallel_size``
+replicas with rank ``pm.data_parallel_rank``); context-parallel ranks pass the whole sequence
+(each keeps its shard). A pipeline rank whose stages read neither an input nor the target may
+pass ``None`` for it. Every tensor is checked (batch size, per-sample shape, dtype) before any
+communication.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def data_needed(built) -> set[str]:
+    """The captured input/target names this process's stages read."""
+    mine = set(built.parallelisms["pp"].my_stages)
+    return {name for st in built.stages if st.index in mine for name in st.data}
+
+
+def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
+    """Per replica this process runs, its microbatches (captured name -> tensor)."""
+    plan, m, mb = built.plan, built.num_microbatches, built.microbatch_size
+    cap = built.captured
+    names = cap.inputs + ([cap.target] if cap.target else [])
+    tensors = list(inputs) + ([target] if cap.target else [])
+    if len(tensors) != len(names):
+        raise ValueError(f"autopar: the model was captured with {len(cap.inputs)} inputs, step got {len(inputs)}")
+    shapes = list(built.input_shapes) + ([built.target_shape] if cap.target else [])
+    expect = mb * m * (1 if local else plan.dp)
+    needed = data_needed(built)
+    mode = ("batch='local': this process's dp replica, " if local else "batch='global': the global batch, ")
+    for i, (name, t, shape) in enumerate(zip(names, tensors, shapes)):
+        what = "the target" if name == cap.target else f"input {i}"
+        if t is None:
+            if name in needed:
+                raise ValueError(f"autopar: {what} is None, but this process's stages read it; pass it (only "
+                                 "pipeline ranks that read neither inputs nor the target may pass None)")
+            continue
+        dtype = cap.node(name).meta["val"].dtype
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != expect or tuple(t.shape[1:]) != \
+                tuple(shape) or t.dtype != dtype:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"autopar: {what} is {got}, but with {mode}{expect} samples of per-sample shape "
+                             f"{tuple(shape)} and dtype {dtype} are expected (shapes are static; re-parallelize "
+                             "for new shapes)")
+    cp = built.parallelisms.get("cp")
+    shard = cp.local if cp is not None else (lambda t: t)
+    if local:
+        replicas = [0]
+    else:
+        replicas = [built.mesh.dp_rank] if built.mesh is not None else range(plan.dp)
+    out = []
+    for replica in replicas:
+        mbs = []
+        for k in range(m):
+            lo = (replica * m + k) * mb
+            mbs.append({n: shard(t[lo: lo + mb]) for n, t in zip(names, tensors) if t is not None})
+        out.append(mbs)
+    return out
+
+
+def tokens(inputs: tuple, global_samples: int) -> int:
+    """Tokens of a global batch: samples times the sequence length of the first input (1 for
+    inputs without one)."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    seq = first.shape[1] if first is not None and first.dim() >= 2 else 1
+    return global_samples * seq
