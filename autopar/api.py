@@ -25,8 +25,11 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
                 bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
     """Parallelize ``model`` for training (docs/parallelism.md, docs/large-models.md).
 
-    ``example_inputs``: a tuple of tensors, one global batch (what ``step`` will be given).
-    ``loss_fn(output, target)`` returns a scalar; None: the model's output is the loss.
+    ``example_inputs``: one global batch, as ``step`` will be given it: a tuple of tensors
+    (positional arguments of ``forward``) or a dict (keyword arguments, e.g. ``input_ids``,
+    ``attention_mask``, ``labels``); every tensor is sliced along dim 0.
+    ``loss_fn(output, target)`` returns a scalar (``output`` as the model returns it, e.g. a
+    ``ModelOutput``); None: the model's output is the loss (or its ``.loss``).
     ``optimizer``: a callable taking parameters (or parameter groups), e.g.
     ``functools.partial(torch.optim.AdamW, lr=1e-3)``; ``pm.optimizer`` is then a
     ``torch.optim.Optimizer`` under every ZeRO level. ``param_groups``: per-parameter options,
@@ -54,8 +57,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
     if grad_reduce not in ("bucketed", "naive"):
         raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
-    if isinstance(example_inputs, torch.Tensor):
-        example_inputs = (example_inputs,)
+    example_inputs, names = batches.as_inputs(example_inputs)
     if plan is not None:
         _build.check_world(plan)
     if batch not in ("global", "local"):
@@ -67,7 +69,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     pm = ParallelModel(model, loss_fn, plan, optimizer=optimizer, max_grad_norm=max_grad_norm, batch=batch,
                        log_every=log_every, options=dict(
         weights=weights, mixed_precision=mixed_precision, seed=seed, init_fn=init_fn, param_groups=param_groups,
-        local_replicas=plan.dp if batch == "local" else 1,
+        local_replicas=plan.dp if batch == "local" else 1, input_names=names,
         timeout=timedelta(seconds=seconds), generated=generated, grad_reduce=grad_reduce,
         bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers))
     if loss_fn is None or example_target is not None:
@@ -122,7 +124,7 @@ class ParallelModel:
         return self._built
 
     def _run(self, inputs, target, train: bool):
-        inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        inputs, _ = batches.as_inputs(inputs, self._options["input_names"])
         if self.loss_fn is not None and target is None and (self.batch == "global" or self._built is None):
             raise ValueError("autopar: step needs a target when a loss_fn was given")
         b = self.prepare(inputs, target)

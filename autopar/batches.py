@@ -14,6 +14,23 @@ from __future__ import annotations
 import torch
 
 
+def as_inputs(inputs, names: tuple[str, ...] | None = None) -> tuple[tuple, tuple[str, ...] | None]:
+    """(the inputs as a tuple, their keyword names or None): a tensor is one positional input,
+    a tuple or list positional ones, a dict keyword arguments of ``forward`` (``names``: the
+    order the model was captured with; the dict must have exactly those keys)."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if isinstance(inputs, dict):
+        keys = names if names is not None else tuple(inputs)
+        if set(inputs) != set(keys):
+            raise ValueError(f"autopar: the batch has keys {sorted(inputs)}, the model was captured with "
+                             f"{sorted(keys)}; pass the same keys every step")
+        return tuple(inputs[k] for k in keys), tuple(keys)
+    if names is not None:
+        raise ValueError(f"autopar: the model was captured with keyword inputs {list(names)}; pass a dict")
+    return tuple(inputs), None
+
+
 def data_needed(built) -> set[str]:
     """The captured input/target names this process's stages read."""
     mine = set(built.parallelisms["pp"].my_stages)

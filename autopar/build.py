@@ -67,7 +67,7 @@ class Built:
 def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
           weights=None, mixed_precision=None, seed: int = 0, init_fn=None, param_groups=None, timeout=None,
           generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
-          local_transfers: bool = False, local_replicas: int = 1) -> Built:
+          local_transfers: bool = False, local_replicas: int = 1, input_names=None) -> Built:
     """Every step of ``parallelize`` after its argument checks (see the module docstring).
     ``local_replicas``: the inputs are one dp replica's batch (``batch="local"``): the global
     batch is that many times theirs."""
@@ -75,6 +75,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     prediction = None
     if plan is None:
         plan, prediction = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
+                                       input_names=input_names,
                                     precision=mixed_precision)
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
@@ -86,7 +87,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     local = cp.local if cp is not None else (lambda t: t)
     captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
                                   target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
-                                  precision=mixed_precision)
+                                  precision=mixed_precision, input_names=input_names)
     captured = rewrite_graph(captured=captured, owners=owners)
     stages, schedule = split(captured=captured, plan=plan)
     params = unique_params(model)
@@ -113,7 +114,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
 
 
 def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None,
-                world: int | None = None) -> tuple[Plan, dict]:
+                world: int | None = None, input_names=None) -> tuple[Plan, dict]:
     """Ask the planner for this world (``world``: its size, default the process group's);
     rank 0 decides (device profiles are measured per process, so ranks could disagree) and
     broadcasts the plan."""
@@ -139,6 +140,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         blocks = [] if refused_moe_blocks(model) else moe_blocks(model)
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
                                 memory_limit=limit, allow_cp=True, allow_ep=bool(blocks), precision=precision,
+                                input_names=input_names,
                                 n_experts=min((n for _f, n in blocks), default=0),
                                 expert_prefixes=tuple(expert_parameters(model)) if blocks else (),
                                 zero_levels=(0, 1, 2, 3), name=type(model).__name__,
@@ -249,7 +251,7 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
     return owners
 
 
-def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None):
+def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None, input_names=None):
     """The capture of one microbatch. A model with tensors on the meta device, or under mixed
     precision, is captured with fake tensors in place of its own (floating parameters in the
     compute dtype) and fake inputs: shapes and dtypes are all a capture reads."""
@@ -258,7 +260,7 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
     t0 = time.perf_counter()
     tensors = model.state_dict(keep_vars=True)
     if precision is None and not any(t.is_meta for t in tensors.values()):
-        captured = passes.capture(model, inputs, target, loss_fn)  # looked up here: tests may memoize it
+        captured = passes.capture(model, inputs, target, loss_fn, input_names)  # looked up here: tests may memoize it
     else:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -274,7 +276,7 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
             fake_in = tuple(torch.empty_like(x, device=device) for x in inputs)
             fake_target = torch.empty_like(target, device=device) if target is not None else None
         with swapped(model, fakes):
-            captured = passes.capture(model, fake_in, fake_target, loss_fn)
+            captured = passes.capture(model, fake_in, fake_target, loss_fn, input_names)
     log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
     return captured
 

@@ -76,26 +76,38 @@ class CapturedGraph:
 
 
 class _ModelWithLoss(nn.Module):
-    """What gets exported: model(*inputs) followed by loss_fn(output, target)."""
+    """What gets exported: model(*inputs) (or ``model(**dict(zip(names, inputs)))``) followed by
+    loss_fn(output, target); without a loss_fn the output is the loss (a ``.loss`` / ``["loss"]``
+    of a Hugging Face ``ModelOutput`` or dict)."""
 
-    def __init__(self, model: nn.Module, loss_fn, num_inputs: int):
+    def __init__(self, model: nn.Module, loss_fn, num_inputs: int, names: tuple[str, ...] | None = None):
         super().__init__()
         self.model = model
         self.loss_fn = loss_fn
         self.num_inputs = num_inputs
+        self.names = names
 
     def forward(self, *args):
-        out = self.model(*args[: self.num_inputs])
-        if self.loss_fn is None:
+        inputs = args[: self.num_inputs]
+        out = self.model(**dict(zip(self.names, inputs))) if self.names is not None else self.model(*inputs)
+        if self.loss_fn is not None:
+            return self.loss_fn(out, args[self.num_inputs])
+        if isinstance(out, torch.Tensor):
             return out
-        return self.loss_fn(out, args[self.num_inputs])
+        loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+        if loss is None:
+            raise ValueError(f"autopar: loss_fn=None, but the model returned a {type(out).__name__} without a loss; "
+                             "pass a loss_fn, or the labels the model computes its loss from")
+        return loss
 
 
-def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None) -> CapturedGraph:
+def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
+            input_names: tuple[str, ...] | None = None) -> CapturedGraph:
     """Capture ``loss_fn(model(*inputs), target)`` (or ``model(*inputs)`` when loss_fn is None).
 
-    ``inputs``/``target`` are one microbatch. Raises CaptureError naming the user's source line
-    when the model can't be captured as one static graph.
+    ``inputs``/``target`` are one microbatch; with ``input_names`` the inputs are passed as
+    those keyword arguments. Raises CaptureError naming the user's source line when the model
+    can't be captured as one static graph.
     """
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
@@ -109,7 +121,7 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None) -> Captu
                          "if the model returns its loss")
     if isinstance(loss_fn, nn.Module) and any(True for _ in loss_fn.parameters()):
         raise ValueError("autopar: loss_fn has parameters; move them into the model so the optimizer sees them")
-    wrapper = _ModelWithLoss(model, loss_fn, len(inputs))
+    wrapper = _ModelWithLoss(model, loss_fn, len(inputs), input_names)
     args = inputs + ((target,) if loss_fn is not None else ())
     try:
         with _quiet_export_logs():

@@ -14,7 +14,8 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
                memory_limit: float | None = None, exhaustive: bool = False, schedules=None,
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
-               n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0, precision=None):
+               n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0, precision=None,
+               input_names=None):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients."""
@@ -26,7 +27,7 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     prof = profile_model(model, inputs, target, loss_fn, name=name, layer_repeats=layer_repeats,
                          expert_prefixes=expert_prefixes, n_heads=n_heads, n_experts=n_experts,
                          seq_len=seq_len, progress=progress,
-                         param_dtype=precision.param_dtype if precision is not None else None)
+                         param_dtype=precision.param_dtype if precision is not None else None, input_names=input_names)
     kw = {}
     if schedules:
         kw["schedules"] = tuple(schedules)

@@ -390,7 +390,8 @@ class _UnitTimer:
             self.result = self._measure()
         return self.result[index]
 
-    def second_batch(self, model, inputs: tuple, target, loss_fn, batch0: int, labels: list) -> None:
+    def second_batch(self, model, inputs: tuple, target, loss_fn, batch0: int, labels: list,
+                     input_names=None) -> None:
         """Also time every unit at a second microbatch size (half the captured one, or twice it
         below 4 samples): the model is captured again at that size when the times are first
         asked for (only the measured cpu profile asks), and each unit's programs are split out
@@ -410,7 +411,7 @@ class _UnitTimer:
 
             ins, tgt = tuple(resize(x) for x in inputs), resize(target)
             try:
-                cap = capture(model, ins, tgt, loss_fn)
+                cap = capture(model, ins, tgt, loss_fn, input_names)
                 _cuts, labels1, stages = _units_of(cap)
             except Exception as e:  # noqa: BLE001 - the single-size measurement still stands
                 log.info("autopar: second capture for unit timing failed (%s); timing one microbatch size", e)
@@ -594,7 +595,8 @@ def attention_heads(gm: torch.fx.GraphModule) -> int:
 def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=None, *, name: str = "model",
                   layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
                   n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
-                  progress: Callable[[str], None] | None = None, param_dtype=None) -> ModelProfile:
+                  progress: Callable[[str], None] | None = None, param_dtype=None,
+                  input_names=None) -> ModelProfile:
     """Capture ``model`` on one microbatch and cost every unit (see the module docstring).
 
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
@@ -615,7 +617,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     t0 = time.perf_counter()
     fmodel, finputs, ftarget = _fakeify(model, inputs, target, param_dtype)
     say(f"capturing {name} ...")
-    captured = capture(fmodel, finputs, ftarget, loss_fn)
+    captured = capture(fmodel, finputs, ftarget, loss_fn, input_names)
     capture_s = time.perf_counter() - t0
     say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
 
@@ -632,7 +634,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     state, data = {}, {}
     timer = _UnitTimer(state, data)
     if real:
-        timer.second_batch(model, inputs, target, loss_fn, batch0, labels)
+        timer.second_batch(model, inputs, target, loss_fn, batch0, labels, input_names)
         state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
                                 captured.constants))
         data.update(zip(captured.inputs, inputs))

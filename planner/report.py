@@ -28,16 +28,23 @@ def memory_formula(res: PlanResult, est: Estimate, rank: int) -> sympy.Expr:
 
     Saved activations, transient working sets and P2P buffers are linear in the tokens of a
     microbatch (b*s, attention runs as a flash kernel); parameters, gradients, optimizer
-    states, buffers and the runtime overhead are not.
+    states, buffers and the runtime overhead are not. The gradient-reduction buffers (DP
+    buckets, ZeRO-1's flat buffers) come after the backward, so the peak is the larger of the
+    pipeline phase (activations + working set + grad outputs) and those buffers: a ``Max``.
     """
     b, s = sympy.symbols("b s", positive=True)
     row = est.memory[rank]
-    linear = row["activations"] + row["working"] + row["p2p buffers"]
-    static = sum(v for k, v in row.items() if k not in ("activations", "working", "p2p buffers"))
     lay = est.layout
-    seq = res.evaluator.profile.seq_len or 1
-    per_token = linear / (lay.b * seq)
-    return sympy.Float(round(static), 12) + sympy.Float(per_token, 6) * b * s
+    tokens = lay.b * (res.evaluator.profile.seq_len or 1)
+    phase = ("activations", "working")
+    reduction = ("dp buckets", "zero-1 buffers")
+    static = sum(v for k, v in row.items() if k not in phase + reduction + ("p2p buffers", "grad outputs"))
+    p2p = sympy.Float(row["p2p buffers"] / tokens, 6) * b * s
+    pipeline_phase = sympy.Float(sum(row[k] for k in phase) / tokens, 6) * b * s + sympy.Float(row["grad outputs"], 12)
+    ev = res.evaluator
+    name, red = ev.reduction_bytes(lay, ev.rank_params(lay, est.partition, est.stage_to_rank, rank))
+    peak = pipeline_phase if name not in reduction else sympy.Max(pipeline_phase, sympy.Float(red, 12))
+    return sympy.Float(round(static), 12) + p2p + peak
 
 
 def _gib(x: float) -> str:

@@ -271,7 +271,8 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     if not feas and not any(c.peak is not None for c in cands):
         # nothing passed the screen: simulate the least hungry layouts, to say how close they come
         for c in sorted((c for c in cands if c.status == "rejected"), key=lambda c: c.screen_need)[:5]:
-            _simulate(ev, c)  # over the limit for sure; c.peaks / c.estimate say by how much
+            _simulate(ev, c)  # over the limit by the screen; c.peaks / c.estimate say by how much
+        feas = sorted((c for c in cands if c.status == "feasible"), key=_order)  # the screen may err
     chosen = feas[0] if feas else None
     if chosen is not None:
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
@@ -294,6 +295,10 @@ def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
             f, i, w = ev.unit_times(kind, lay)
             tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
             static += n * ev.unit_static(kind, lay)
+        # a parameter several units share (a tied embedding/head) is one tensor on a rank that
+        # holds them all: the lower bound counts it once
+        shared = sum((len(units) - 1) * numel for units, numel in getattr(ev.profile, "shared_params", ()))
+        static -= shared * ev.unit_static_per_param(lay)
         # the least a stage can keep per microbatch (recomputing: its input), the least working set
         kinds = [k for k, _ in ev.profile.runs()]
         min_in = min(k.in_bytes for k in kinds[1:] or kinds) * ev.scale(lay)

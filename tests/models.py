@@ -55,11 +55,11 @@ def memoized_capture(capture):
     """
     memo = {}
 
-    def memoized(model, inputs, target=None, loss_fn=None):
+    def memoized(model, inputs, target=None, loss_fn=None, input_names=None):
         tensors = (*inputs, *([target] if target is not None else []))
-        key = (repr(model), tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn)
+        key = (repr(model), tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn, input_names)
         if key not in memo:
-            memo[key] = capture(model, inputs, target, loss_fn)
+            memo[key] = capture(model, inputs, target, loss_fn, input_names)
         return memo[key]
 
     memoized.memoized = True

@@ -11,7 +11,7 @@ import math
 import pytest
 import sympy
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar.planner import presets
@@ -316,7 +316,6 @@ def _priced_by_enumeration(prof, device, req):
 def test_chosen_plan_properties(gpt_profile, gpus, batch, over_mib, device):
     # the limit is the GPU profiles' 2 GiB runtime overhead plus what the tiny model needs: from
     # none fits (1 GPU, +0.5 MiB) through binding (the fastest layouts OOM) to loose
-    assume((gpus, over_mib) != (1, 1.0))  # a known screen bug: test_screen_rejects_no_layout_that_fits
     _check_search(gpt_profile, device, Request(gpus=gpus, global_batch=batch, memory_limit=2 * GiB + over_mib * 2**20,
                                                exhaustive=True))
 
@@ -340,16 +339,10 @@ def _check_search(prof, device, req):
     assert (again.chosen.layout, again.chosen.estimate.partition) == (res.chosen.layout, res.chosen.estimate.partition)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="search._screen's lower bound (static memory from profile.runs(), no shared_duplicates) "
-                          "counts the tied embedding/head twice on a rank holding both: on 1 GPU at +1 MiB it "
-                          "rejects every layout though m=4 and m=8 fit (0.97 and 0.94 MiB over the overhead vs a "
-                          "1.04 MiB bound); the fallback then simulates them, marks them 'feasible', and chosen "
-                          "stays None")
 def test_screen_rejects_no_layout_that_fits(gpt_profile):
     req = Request(gpus=1, global_batch=8, memory_limit=2 * GiB + 2**20, exhaustive=True)
     if not _priced_by_enumeration(gpt_profile, get_profile("h100"), req):
-        raise RuntimeError("no layout fits any more: this case no longer shows the screen bug; pick another limit")
+        raise RuntimeError("no layout fits at this limit any more: pick a limit where one fits just")
     _check_search(gpt_profile, "h100", req)
 
 
@@ -380,11 +373,6 @@ def test_memory_formula_predicts_larger_microbatches(gpt_profile):
         assert math.isclose(val, want, rel_tol=1e-6), (size, r, val, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report.memory_formula counts the ZeRO-0/1 reduction buffers as constant, but the "
-                          "estimate counts only their excess over the activations and working set (max(0, "
-                          "buffers - activations - working)), which grows as b shrinks: the formula "
-                          "under-predicts a smaller microbatch")
 def test_memory_formula_predicts_smaller_microbatches(gpt_profile):
     res = plan(gpt_profile, get_profile("h100"), Request(gpus=2, global_batch=8, memory_limit=8e9))
     small = res.evaluator.evaluate(dataclasses.replace(res.chosen.layout, b=1), res.chosen.estimate.partition)
