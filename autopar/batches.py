@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from autopar.runtime.stage_work import with_strides
+
 
 def as_inputs(inputs, names: tuple[str, ...] | None = None) -> tuple[tuple, tuple[str, ...] | None]:
     """(the inputs as a tuple, their keyword names or None): a tensor is one positional input,
@@ -64,7 +66,12 @@ def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
                              f"{tuple(shape)} and dtype {dtype} are expected (shapes are static; re-parallelize "
                              "for new shapes)")
     cp = built.parallelisms.get("cp")
-    shard = cp.local if cp is not None else (lambda t: t)
+    strides = {n: tuple(cap.node(n).meta["val"].stride()) for n in names}
+
+    def shard(name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's (cp) share, in the layout the programs were traced with."""
+        return with_strides(cp.local(t) if cp is not None else t, strides[name])
+
     if local:
         replicas = [0]
     else:
@@ -74,7 +81,7 @@ def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
         mbs = []
         for k in range(m):
             lo = (replica * m + k) * mb
-            mbs.append({n: shard(t[lo: lo + mb]) for n, t in zip(names, tensors) if t is not None})
+            mbs.append({n: shard(n, t[lo: lo + mb]) for n, t in zip(names, tensors) if t is not None})
         out.append(mbs)
     return out
 

@@ -261,11 +261,9 @@ class Llama(nn.Module):
             self.freqs_sin.copy_(sin)
 
     def init_weights(self) -> None:
-        """Weights (normal, residual projections scaled with depth; grouped experts and norms by
-        their modules) and the RoPE tables: what ``autopar.parallelize`` runs for a meta model."""
-        for m in self.modules():
-            if m is not self and callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()
+        """Weights (normal, residual projections scaled with depth; grouped experts and norms keep
+        their modules' own init) and the RoPE tables: what ``autopar.parallelize`` runs for a
+        meta model, after every module's ``reset_parameters()``."""
         self.reset_rope()
         std = 0.02
         out_std = std / math.sqrt(2 * max(self.cfg.n_layers, 1))

@@ -14,9 +14,10 @@ copy). Three sources:
   tensor gets the same values whichever other tensors are real at that moment, under every
   plan, and in ``init_weights`` (the eager way to reproduce it).
 
-The initialization is, in this order: the ``init_fn(model)`` given; else ``model.init_weights()``
-(torchtitan's and Hugging Face's convention: HF runs each module's ``_init_weights``); else
-``reset_parameters()`` of every module that has one (torch's defaults). It runs on the whole
+The initialization is what building the model eagerly does: every module's
+``reset_parameters()`` (torch's defaults: LayerNorm weights 1, ...), then the ``init_fn(model)``
+given, else ``model.init_weights()`` if there is one (torchtitan's and Hugging Face's
+convention: HF runs each module's ``_init_weights``). It runs on the whole
 module with only the requested tensors real (others stay on the meta device, where an op does
 nothing and draws no random numbers) and only in-place random ops on a tensor are reseeded:
 a random value drawn into a temporary and copied in (``p.copy_(torch.randn(...))``) comes from
@@ -120,19 +121,19 @@ def swapped(model: nn.Module, values: dict[str, torch.Tensor]):
 
 
 def run_init(model: nn.Module, init_fn: Callable | None) -> None:
-    """The model's initialization (see the module docstring). Hugging Face models mark each
-    module initialized and skip it the next time: the marks are cleared first, since every
+    """The model's initialization (see the module docstring): every module's
+    ``reset_parameters()`` (what constructing it does: LayerNorm weights 1, ...), then
+    ``init_fn(model)`` or ``model.init_weights()`` if there is one. Hugging Face models mark
+    each module initialized and skip it the next time: the marks are cleared first, since every
     run initializes other tensors."""
     for m in model.modules():
         m.__dict__.pop("_is_hf_initialized", None)
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()
     if init_fn is not None:
         init_fn(model)
     elif callable(getattr(model, "init_weights", None)):
         model.init_weights()
-    else:
-        for m in model.modules():
-            if callable(getattr(m, "reset_parameters", None)):
-                m.reset_parameters()
 
 
 def has_init(model: nn.Module, init_fn) -> bool:
