@@ -273,8 +273,11 @@ class Evaluator:
           all of them stay in flight until the reduction finishes: 4 bytes per element;
         * ZeRO-1, ``runtime/zero.py``: the flat fp32 gradients (padded to a multiple of dp), the
           reduce-scattered shard and the all-gathered parameters: 4 * (2n + n/d);
-        * ZeRO-2/3, ``runtime/sharded.py``: none beyond the flat gradients and their shards,
-          which ``grad_per_param`` counts."""
+        * ZeRO-2/3, ``runtime/sharded.py``: beyond the flat gradients and their shards, which
+          ``grad_per_param`` counts, none on NCCL; on the ``cpu`` profile gloo's
+          ``reduce_scatter_tensor`` copies its whole input while it is in flight (measured: a
+          4 MiB reduce-scatter over 2 gloo ranks peaks 4 MiB above its input and output), and
+          a rank's groups are reduce-scattered together after its last W: 4n."""
         d = lay.dp * lay.cp
         if d <= 1:
             return "dp buckets", 0.0
@@ -282,7 +285,7 @@ class Evaluator:
             return "dp buckets", 4.0 * n
         if lay.zero == 1:
             return "zero-1 buffers", 4.0 * (2 * n + n / d)
-        return "dp buckets", 0.0
+        return "dp buckets", 4.0 * n if self.device.name == "cpu" else 0.0
 
     # ------------------------------------------------------------------ stages
     def stage_kinds(self, part: Partition) -> list[list[UnitKind]]:
