@@ -281,7 +281,7 @@ def ilp_unit_static(ev: Evaluator, kind, lay: Layout) -> float:
     n = ev.unit_params(kind, lay)
     d = lay.dp * lay.cp
     extra = ev.precision.weight * n
-    if d > 1 and lay.zero <= 1:
+    if d > 1:
         extra += ev.reduction_bytes(lay, n)[1]
     if d > 1 and lay.zero >= 2:
         extra += kind.param_tensors * (d - 1) * (MASTER_BYTES + ev.precision.adam + 8 + ev.precision.weight)

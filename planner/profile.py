@@ -285,8 +285,16 @@ def _fakeify(model: torch.nn.Module, inputs: tuple, target, param_dtype=None):
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     # a copy: to_empty works in place, and the caller's model must stay as it is
     model = copy.deepcopy(model) if any(metas) else copy.deepcopy(model).to("meta")
+    tied = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        tied.setdefault(id(p), []).append(fqn)
     with mode:
         model = model.to_empty(device="cpu")
+        for names in tied.values():  # to_empty makes a Parameter per module: tie them again
+            first = model.get_parameter(names[0])
+            for name in names[1:]:
+                path, _, attr = name.rpartition(".")
+                (model.get_submodule(path) if path else model)._parameters[attr] = first
         if param_dtype is not None:
             for p in model.parameters():
                 if p.is_floating_point():
