@@ -63,8 +63,10 @@ def resident_parameter_bytes(pm) -> int:
             count(b)
         for buf in dp.storage.residents.values():
             count(buf)
-    for master in getattr(dp.optimizer, "masters", ()):  # the ZeRO-1 shards
-        count(master)
+    if dp.optimizer is not None:  # what the optimizer steps: ZeRO-1 shards, masters (counted once)
+        for group in dp.optimizer.param_groups:
+            for p in group["params"]:
+                count(p)
     return total
 
 

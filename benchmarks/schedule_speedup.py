@@ -46,9 +46,9 @@ TOLERANCE = 0.15
 
 def _timed(store: dict, kind: str, fn, recording: list):
     """Wrap a StageWork method so each call's duration is appended to store[(stage, kind)] while recording[0]."""
-    def timed(s, k):
+    def timed(s, k, **kw):
         t0 = time.perf_counter()
-        fn(s, k)
+        fn(s, k, **kw)
         if recording[0]:
             store.setdefault((s, kind), []).append(time.perf_counter() - t0)
     return timed

@@ -121,7 +121,7 @@ def _run(rank, world, subcases, files):
                 reader = pm.built.checkpoint
                 res["bytes_read"], res["files_read"] = reader.bytes_read, sorted(reader.files_opened)
             if kind == "mixed":
-                masters = dp.optimizer.optimizer.param_groups[0]["params"] if dp.zero else list(dp.masters.values())
+                masters = [p for g in pm.optimizer.param_groups for p in g["params"]]
                 res["dtypes"] = {"compute": sorted({str(pm.built.params[f].dtype) for f in dp.trained
                                                     if pm.built.params[f].numel()}),
                                  "masters": sorted({str(m.dtype) for m in masters})}
