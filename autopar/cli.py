@@ -1,4 +1,4 @@
-"""`autopar` command line: demo, plan, schedule, inspect. Subcommands import only what they need."""
+"""`autopar` command line: demo, plan, schedule, inspect, checkpoint. Subcommands import only what they need."""
 from __future__ import annotations
 
 import argparse
@@ -35,6 +35,14 @@ def main(argv: list[str] | None = None) -> int:
     insp = sub.add_parser("inspect", help="write every stage's F/I/W/B code and the stage table to a directory")
     _model_args(insp)
     insp.add_argument("--out", default="autopar_dump", help="output directory (default ./autopar_dump)")
+    ckpt = sub.add_parser("checkpoint", help="checkpoints written by pm.save (autopar checkpoint export --help)")
+    ckpt_sub = ckpt.add_subparsers(dest="action", required=True)
+    export = ckpt_sub.add_parser("export", help="write a checkpoint's model weights (fp32 masters under mixed "
+                                                "precision) as safetensors, for parallelize(weights=) and transformers")
+    export.add_argument("dir", help="the checkpoint directory (pm.save)")
+    export.add_argument("out", help="a .safetensors file, or a directory (HF-style model.safetensors.index.json and "
+                                    "shards; add the model's config.json for from_pretrained)")
+    export.add_argument("--max-shard-gb", type=float, default=5.0, help="largest shard of a directory (default 5)")
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
@@ -45,6 +53,12 @@ def main(argv: list[str] | None = None) -> int:
             from autopar.demo import run_inspect
 
             return run_inspect(args)
+        if args.command == "checkpoint":
+            from autopar.checkpoint import export as export_checkpoint
+
+            for path in export_checkpoint(args.dir, args.out, max_shard_bytes=int(args.max_shard_gb * 2**30)):
+                print(path)
+            return 0
     except ValueError as e:
         print(f"autopar {args.command}: {e}", file=sys.stderr)
         return 2

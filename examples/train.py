@@ -72,7 +72,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="global batch (samples per step)")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=20, help="length of the run (the lr schedule's end)")
+    ap.add_argument("--stop-at", type=int, default=None,
+                    help="stop after this step, as a job with a time limit would; --resume continues the run")
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -122,7 +124,8 @@ def main(argv=None) -> dict:
     ex, ey = held_out.data[dp_rank * n:(dp_rank + 1) * n, :-1], held_out.data[dp_rank * n:(dp_rank + 1) * n, 1:]
     losses, evals = [], []
     epoch, skip = divmod(pm.step_count, len(loader))  # resumed: where in the data it stopped
-    while pm.step_count < args.steps:
+    stop = min(args.steps, args.stop_at or args.steps)
+    while pm.step_count < stop:
         sampler.set_epoch(epoch)
         for i, (x, y) in enumerate(loader):
             if i < skip:
@@ -139,7 +142,7 @@ def main(argv=None) -> dict:
                     with open(latest + ".tmp", "w") as fh:
                         fh.write(name)
                     os.replace(latest + ".tmp", latest)  # the pointer moves only to a complete checkpoint
-            if pm.step_count >= args.steps:
+            if pm.step_count >= stop:
                 break
         epoch += 1
     return {"losses": losses, "evals": evals, "steps": pm.step_count, "lr": pm.optimizer.param_groups[0]["lr"]}

@@ -9,10 +9,32 @@ order the orchestrator asks for it:
   whole() / load_whole(values) state: whole tensors out of its shards (collective), and its
                                shards from whole tensors (``sharded``: the FQNs whose local
                                tensor is not the whole value, so nobody else writes them)
+  local_shards()               checkpoints: where this process holds pieces of each tensor
+                               (``Shard``: flat ranges of the whole value; no communication)
 
 The defaults do nothing; an owner overrides what its axis needs.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A piece of one tensor that this process holds (checkpoints, autopar/checkpoint.py):
+    elements ``[lo, hi)`` of a tensor of shape ``shape``, flattened in row-major order, are
+    ``source.view(-1)[start : start + hi - lo]``. ``source`` is the tensor the optimizer steps
+    (its per-element optimizer state has the same layout: an fp32 master, a flat ZeRO shard)
+    or the live tensor. ``copies`` processes hold the same elements (replicas); this one is
+    copy number ``copy`` of them."""
+
+    lo: int
+    hi: int
+    shape: tuple[int, ...]
+    source: object  # torch.Tensor
+    start: int = 0
+    copies: int = 1
+    copy: int = 0
 
 
 class Parallelism:
@@ -36,3 +58,7 @@ class Parallelism:
 
     def load_whole(self, values: dict) -> None:
         """Write this axis's shards from whole values (every FQN of ``sharded`` is in values)."""
+
+    def local_shards(self) -> dict[str, list[Shard]]:
+        """FQN -> the pieces of it this process holds, as this axis maps them (no communication)."""
+        return {}

@@ -21,7 +21,8 @@ rank: one owner.
 * the ZeRO-2/3 layout (parallel/zero_layout.py) and its storage, and ZeRO-3's program rewrite
   (passes/zero_stream.py);
 * the user's optimizer, wrapped for the ZeRO level;
-* the mapping between its masters and whole parameters (``whole`` / ``load_whole``).
+* the mapping between its masters and whole parameters (``whole`` / ``load_whole``), and
+  for checkpoints where each master lies in its parameters (``local_shards``).
 
 In local mode (no mesh) there is one replica: no reduction, ZeRO off, mixed precision as
 above. The loss tangent already carries 1/(dp*m*cp): every reduction is a plain sum.
@@ -39,7 +40,7 @@ from autopar.runtime.sharded import ShardedOptimizer, ShardedParameters
 from autopar.runtime.stage_work import ParamGrads
 from autopar.runtime.zero import ZeroOneOptimizer
 
-from .base import Parallelism
+from .base import Parallelism, Shard
 from .zero_layout import ParamSpec, layer_group, zero_layout
 
 
@@ -333,3 +334,64 @@ class DataParallel(Parallelism):
                             self.masters[f].copy_(values[f])
                         if not self.params[f].is_meta and self.params[f].numel():
                             self.params[f].copy_(values[f])
+
+    # -- checkpoints (autopar/checkpoint.py) ---------------------------------------------------
+
+    def local_shards(self) -> dict[str, list[Shard]]:
+        """FQN -> where this process holds each trained parameter's value as the optimizer steps
+        it, in the coordinates of the parameter as this process holds it (an expert shard's own
+        rows; ExpertParallel places them in the whole): the ZeRO-2/3 group shard or the ZeRO-1
+        flat-set shard (one contiguous range of the flat vector: a piece of each parameter it
+        overlaps, padding in none), else the fp32 master (mixed precision) or the parameter
+        itself, held whole by every replica (an expert shard by the replicas with the same
+        experts). Their per-element optimizer state has the layout of ``Shard.source``."""
+        mesh = self.mesh
+        replicas, replica = (mesh.replicas, mesh.replica) if mesh is not None else (1, 0)
+        out: dict[str, list[Shard]] = {}
+
+        def flat_shard(fqns, shapes, offsets, master, lo: int, n: int) -> None:
+            """Elements [lo, lo + n) of a flat vector holding ``fqns`` at ``offsets``; a shard of
+            padding only is an empty piece of the first (its optimizer state has a name then)."""
+            found = False
+            for f, shape, o in zip(fqns, shapes, offsets):
+                size = _numel(shape)
+                a, b = max(lo, o), min(lo + n, o + size)
+                if a < b:
+                    out[f] = [Shard(a - o, b - o, tuple(shape), master, start=a - lo)]
+                    found = True
+            if fqns and not found:
+                out[fqns[0]] = [Shard(0, 0, tuple(shapes[0]), master)]
+
+        experts = set(self.experts)
+        if self.storage is not None:
+            for g in self.storage.groups:
+                n = g.padded // replicas
+                flat_shard(g.fqns, g.shapes, g.offsets, g.master, replica * n, n)
+        elif self.zero == 1 and self.optimizer is not None:
+            for s in self.optimizer.sets:
+                shapes = [tuple(self.params[f].shape) for f in s.names]
+                offsets = [sum(_numel(x) for x in shapes[:i]) for i in range(len(shapes))]
+                flat_shard(s.names, shapes, offsets, s.master, s.lo, s.shard)
+        else:
+            for f in self.trained:
+                if f not in experts:
+                    src = self.masters.get(f, self.params[f])
+                    out[f] = [Shard(0, src.numel(), tuple(src.shape), src, copies=replicas, copy=replica)]
+        ep = mesh.ep if mesh is not None else 1
+        for f in self.experts:
+            src = self.masters.get(f, self.params[f])
+            out[f] = [Shard(0, src.numel(), tuple(src.shape), src, copies=replicas // ep, copy=replica // ep)]
+        return out
+
+    def loaded(self) -> None:
+        """After a checkpoint was read in place into the masters, the shards and every whole
+        copy the programs read: ZeRO-3's gather buffers no longer hold current values."""
+        if self.storage is not None:
+            self.storage.holds = [None, None]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -5,7 +5,8 @@ expert buffer moved by all-to-all; done before capture, so the captured graph ho
 all-to-alls and the joint trace their backward), which parameters are expert shards (the data
 parallel owner sums their gradients over the replicas holding the same experts and never
 ZeRO-shards them) and their state mapping: an expert parameter's whole value is its ``ep``
-shards concatenated along dim 0 in EP rank order. Blocks: ``autopar.nn.MoE`` (capacity,
+shards concatenated along dim 0 in EP rank order (for checkpoints: one contiguous range of
+the whole tensor's row-major elements, ``local_shards``). Blocks: ``autopar.nn.MoE`` (capacity,
 drops like the single-process block) and Hugging Face transformers MoE blocks (dropless,
 passes/hf_moe.py); the parameter FQNs stay the model's own.
 """
@@ -18,7 +19,7 @@ import torch
 from autopar.passes.expert_parallel import apply_expert_parallel, check_expert_parallel
 from autopar.runtime import comms
 
-from .base import Parallelism
+from .base import Parallelism, Shard
 
 log = logging.getLogger("autopar")
 
@@ -62,3 +63,16 @@ class ExpertParallel(Parallelism):
                     raise ValueError(f"autopar: {f} has shape {tuple(full.shape)} in the state dict, the model's is "
                                      f"{tuple(shard.full_shape)}")
                 params[f].copy_(full[shard.rows])
+
+    def local_shards(self) -> dict[str, list[Shard]]:
+        """Checkpoints: FQN -> where this rank's expert shard lies in the whole tensor (rows
+        ``shard.rows`` of dim 0 are one contiguous range of its row-major elements)."""
+        out = {}
+        for f, p in self.params.items():
+            sh = self.shards[f]
+            assert sh.dim == 0, (f, sh.dim)  # rows of dim 0 are contiguous in the whole
+            row = 1
+            for d in sh.full_shape[1:]:
+                row *= d
+            out[f] = [Shard(sh.rows.start * row, sh.rows.stop * row, tuple(sh.full_shape), p)]
+        return out

@@ -4,7 +4,8 @@
 pipeline ranks that share a tied parameter (an embedding on the first stage and the LM head on
 the last), the sum of those parameters' gradients over their holders, and the state mapping
 across pipeline ranks: a parameter or buffer's whole value lives on the pipeline rank that
-holds the first stage using it, and ``gather_state`` broadcasts it from there.
+holds the first stage using it, and ``gather_state`` broadcasts it from there (a checkpoint
+writes it from there: ``is_owner``).
 """
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ class PipelineParallel(Parallelism):
         """This process's stages (every stage in local mode)."""
         s2r = self.schedule.stage_to_rank
         return [s for s in range(len(s2r)) if self.rank is None or s2r[s] == self.rank]
+
+    def is_owner(self, fqn: str) -> bool:
+        """Whether this pipeline rank holds the primary copy of ``fqn`` (the one a checkpoint
+        writes): the rank of the first stage using it, pipeline rank 0 for a tensor no stage
+        uses; every tensor in local mode."""
+        return self.rank is None or self.owner_of.get(fqn, 0) == self.rank
 
     def sum_tied_gradients(self, grads, skip) -> None:
         """Sum each tied parameter's gradient (``grads.accumulator``) over the pipeline ranks
