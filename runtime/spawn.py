@@ -1,9 +1,13 @@
 """Run a function on N gloo ranks (spawned processes, FileStore rendezvous, one thread each).
 
-For tests and benchmarks: ``run_ranks(fn, world, *args)`` returns every rank's result.
+For tests and benchmarks: ``run_ranks(fn, world, *args)`` returns every rank's result, in
+processes started for that one call; ``RankPool(world).run(fn, *args)`` does the same in
+processes that stay up between calls (one process group; what a process imported, compiled or
+memoized stays), so many short runs don't each pay for process start and imports.
 
 The parent collects every rank's result or traceback and kills all ranks when one fails or
-the deadline passes, so a test never hangs.
+the deadline passes, so a test never hangs (a pool is closed then, and the next call starts a
+fresh one).
 """
 from __future__ import annotations
 
@@ -36,6 +40,112 @@ def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
         with open(out, "wb") as fh:
             pickle.dump(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"), fh)
         os._exit(1)
+
+
+def _pool_worker(rank, world, store_path, conn, timeout_s):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        os._exit(1)
+    conn.send(("ok", "ready"))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:  # the parent is gone
+            os._exit(0)
+        if task is None:
+            break
+        fn, args = task
+        try:
+            reply = ("ok", fn(rank, world, *args))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            reply = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+        try:
+            conn.send(reply)
+        except Exception as e:  # noqa: BLE001 - an unpicklable result
+            conn.send(("error", f"rank {rank}'s result cannot be sent: {type(e).__name__}: {e}"))
+    dist.destroy_process_group()
+    conn.close()
+
+
+class RankPool:
+    """``world`` gloo processes that stay up: ``run(fn, *args)`` runs ``fn(rank, world, *args)``
+    on every rank and returns the results, like ``run_ranks``. After a failure or a missed
+    deadline the processes are killed and the pool is closed (``closed``)."""
+
+    def __init__(self, world: int, timeout_s: float = 30.0, start_s: float = 120.0):
+        ctx = mp.get_context("spawn")
+        self.world, self.closed = world, False
+        self._tmp = tempfile.TemporaryDirectory()
+        store = os.path.join(self._tmp.name, "store")
+        self._conns, self._procs = [], []
+        for r in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_pool_worker, args=(r, world, store, child, timeout_s), daemon=True)
+            p.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(p)
+        self._collect(start_s, "start")
+
+    def _collect(self, deadline_s: float, what: str) -> list:
+        end = time.monotonic() + deadline_s
+        replies: list = [None] * self.world
+        failed_at = None
+        while any(r is None for r in replies):
+            now = time.monotonic()
+            if now > end or (failed_at is not None and now > failed_at + 2.0):  # peers of a failed rank: 2 s
+                break
+            for r, c in enumerate(self._conns):
+                if replies[r] is None:
+                    if c.poll(0.02):
+                        try:
+                            replies[r] = c.recv()
+                        except EOFError:
+                            replies[r] = ("error", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                    elif not self._procs[r].is_alive():
+                        replies[r] = ("error", f"rank {r} died (exit code {self._procs[r].exitcode})")
+                    if replies[r] is not None and replies[r][0] != "ok" and failed_at is None:
+                        failed_at = time.monotonic()
+        hung = [r for r, x in enumerate(replies) if x is None]
+        errors = [f"--- rank {r}: {x[1]}" for r, x in enumerate(replies) if x is not None and x[0] != "ok"]
+        if hung or errors:
+            self.close(kill=True)
+            raise AssertionError(f"{what}: ranks still running at the deadline: {hung}\n" + "\n".join(errors))
+        return [x[1] for x in replies]
+
+    def run(self, fn, *args, deadline_s: float = 240.0) -> list:
+        if self.closed:
+            raise RuntimeError("this RankPool is closed (a run failed or it was closed)")
+        for c in self._conns:
+            c.send((fn, args))
+        return self._collect(deadline_s, getattr(fn, "__name__", "run"))
+
+    def close(self, kill: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for c, p in zip(self._conns, self._procs):
+            if not kill and p.is_alive():
+                try:
+                    c.send(None)
+                except OSError:
+                    pass
+        for p in self._procs:
+            p.join(timeout=0 if kill else 10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for c in self._conns:
+            c.close()
+        self._tmp.cleanup()
 
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float = 240.0, expect_failure=False):

@@ -1,5 +1,8 @@
 """Suite-wide settings: one intra-op thread (2-core CI machines; threads fighting cost 3x),
-a CI hypothesis profile, and the repository root on sys.path for `tests.models`."""
+a CI hypothesis profile, the repository root on sys.path for `tests.models`, and the
+multi-process tests that use the shared pools (tests/dist) in one pytest-xdist group: they run one after another on
+one worker (sharing its pools of gloo processes, tests/dist/harness.py) while the other
+worker runs the single-process tests (pyproject: ``-n 2 --dist loadgroup``)."""
 import os
 import sys
 
@@ -22,3 +25,18 @@ def _one_thread():
 
     torch.set_num_threads(1)
     yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group markers into node ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = str(item.fspath)
+        # test_failures starts its own processes (ranks that die or hang): it needs no pool
+        if os.sep + "dist" + os.sep in path and not path.endswith("test_failures.py"):
+            item.add_marker(pytest.mark.xdist_group("dist"))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    harness = sys.modules.get("tests.dist.harness")
+    if harness is not None:  # this process ran multi-process tests: stop its pools of gloo processes
+        harness.close_pools()

@@ -44,20 +44,22 @@ __all__ = [
 ]
 
 
-def memoized_capture(capture):
-    """``capture`` that captures each (model structure, input shapes and dtypes, loss_fn) once.
+def memoized_capture(capture, memo: dict | None = None):
+    """``capture`` that captures each (model structure, parameter dtypes and devices, input
+    shapes and dtypes, loss_fn) once (in ``memo``, or a new dict).
 
     Tests that run one zoo model under many plans (schedules, pp, dp) get the same captured
     graph for every plan: capture is deterministic, reads no parameter values, and
     split_stages / split_backward only read it, so this saves seconds per sub-case on 2 cores
     without changing what the sub-cases check. Not for code that rewrites the capture in
-    place (context parallelism).
+    place.
     """
-    memo = {}
+    memo = {} if memo is None else memo
 
     def memoized(model, inputs, target=None, loss_fn=None, input_names=None):
         tensors = (*inputs, *([target] if target is not None else []))
-        key = (repr(model), tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn, input_names)
+        kinds = tuple(sorted({(str(t.dtype), t.device.type) for t in model.state_dict().values()}))
+        key = (repr(model), kinds, tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn, input_names)
         if key not in memo:
             memo[key] = capture(model, inputs, target, loss_fn, input_names)
         return memo[key]

@@ -1,11 +1,110 @@
-"""Test helpers for the multi-process tests (the spawn runner is ``autopar.runtime.spawn``)."""
+"""Test helpers for the multi-process tests (the spawn runners are ``autopar.runtime.spawn``).
+
+``run_shared(fn, world, *args)`` runs ``fn(rank, world, *args)`` on the session's pool of
+``world`` gloo processes (started on first use, closed at exit; a failed run closes it and the
+next run starts a fresh one). Each run starts clean: the memoizing wrappers below are off
+unless the run asks for them (``reuse``, the default), and the process groups a run created are destroyed after it. What
+survives between runs is what makes sharing worth it: imports, and the memo of captures and
+split programs for the runs that use them. Not for runs with context or expert parallelism
+(``reuse=False``): their captures hold the names of process groups, which are destroyed after
+each run. Runs that kill a rank or must see a fresh process use ``run_ranks``.
+"""
+import atexit
+import importlib
+
+_POOLS: dict = {}
+_CAPTURES: dict = {}   # memoized_capture's memo, kept across the runs of one process
+_PROGRAMS: dict = {}   # reuse_programs' memo
+_ORIGINAL: dict = {}   # the functions the wrappers replace
+
+
+def run_shared(fn, world: int, *args, deadline_s: float = 600.0, reuse: bool = True):
+    """``fn(rank, world, *args)`` on the session's ``world`` processes; ``reuse``: with
+    captures and split programs memoized (reuse_captures) across the runs that reuse."""
+    from autopar.runtime.spawn import RankPool
+
+    pool = _POOLS.get(world)
+    if pool is None or pool.closed:
+        pool = _POOLS[world] = RankPool(world)
+    return pool.run(_clean_run, fn, args, reuse, deadline_s=deadline_s)
+
+
+@atexit.register
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+
+
+def _clean_run(rank, world, fn, args, reuse):
+    """``fn`` with the wrappers on (``reuse``) or off, and every process group it creates
+    destroyed after it."""
+    import torch.distributed as dist
+
+    from autopar.runtime import comms
+
+    passes, sb = importlib.import_module("autopar.passes"), importlib.import_module("autopar.passes.split_backward")
+    if "capture" in _ORIGINAL:
+        passes.capture, sb.split_backward = _ORIGINAL["capture"], _ORIGINAL["split_backward"]
+    created, new_group = [], comms.new_group
+
+    def tracked(*a, **k):
+        g = new_group(*a, **k)
+        created.append(g)
+        return g
+
+    comms.new_group = tracked
+    if reuse:
+        reuse_captures()
+    try:
+        return fn(rank, world, *args)
+    finally:
+        comms.new_group = new_group
+        for g in created:
+            if g is not None:
+                dist.destroy_process_group(g)
 
 
 def reuse_captures() -> None:
     """In this (spawned) process, capture each zoo model once per plan-independent key
-    (tests/models.memoized_capture). Not for passes that rewrite the capture in place (CP)."""
-    import autopar.passes as passes
+    (tests/models.memoized_capture), and split each stage's backward once (reuse_programs).
+    Not for passes that rewrite the capture in place."""
     from tests.models import memoized_capture
 
+    passes = importlib.import_module("autopar.passes")
+    _originals()
     if not getattr(passes.capture, "memoized", False):
-        passes.capture = memoized_capture(passes.capture)
+        passes.capture = memoized_capture(_ORIGINAL["capture"], _CAPTURES)
+    reuse_programs()
+
+
+def _originals() -> None:
+    if "capture" not in _ORIGINAL:
+        _ORIGINAL["capture"] = importlib.import_module("autopar.passes").capture
+        _ORIGINAL["split_backward"] = importlib.import_module("autopar.passes.split_backward").split_backward
+
+
+def reuse_programs() -> None:
+    """In this (spawned) process, split each stage's backward once per stage content: a stage
+    with the same graph, names, placeholder shapes/dtypes/strides, gradient flags and fake mode
+    gets the same F/I/W/B programs (split_backward is deterministic and its programs are only
+    read afterwards: exec_code peepholes a copy). Schedules that cut the model alike (every
+    one-stage-per-rank schedule of a pp) then trace the joint graph once instead of per plan."""
+    sb = importlib.import_module("autopar.passes.split_backward")  # the package re-exports the function
+    _originals()
+    if getattr(sb.split_backward, "memoized", False):
+        return
+    split, memo = _ORIGINAL["split_backward"], _PROGRAMS
+
+    def memoized(stage, input_requires_grad, trainable=None, recompute=False):
+        vals = [n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"]
+        key = (stage.index, stage.gm.code, stage.params, stage.buffers, stage.constants, stage.data, stage.inputs,
+               stage.outputs, stage.buffer_updates, stage.has_loss,
+               tuple((tuple(v.shape), v.dtype, tuple(v.stride()), id(getattr(v, "fake_mode", None))) for v in vals),
+               tuple(sorted(input_requires_grad.items())),
+               None if trainable is None else frozenset(trainable), recompute)
+        if key not in memo:
+            memo[key] = (split(stage, input_requires_grad, trainable, recompute=recompute), vals)  # vals: ids stay taken
+        return memo[key][0]
+
+    memoized.memoized = True
+    sb.split_backward = memoized

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_auto_plan_on_two_ranks(tmp_path, monkeypatch):
     from tests.reference import assert_close_state, eager_reference
 
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path))  # the cpu profile is measured and cached here
-    res = run_ranks(_train_auto, 2, 2, deadline_s=300)
+    res = run_shared(_train_auto, 2, 2, deadline_s=300)
     assert res[0]["plan"] == res[1]["plan"], "every rank must run the same plan"
     plan = json.loads(res[0]["plan"])
     assert plan["pp"] * plan["dp"] * plan["cp"] == 2

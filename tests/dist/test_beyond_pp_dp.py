@@ -9,7 +9,7 @@ One process group per world size runs every sub-case of that size:
 """
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 from tests.dist.test_pipeline_gloo import _reference, check_against_eager
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_zero3_cp_ep_match_eager(world):
         if case_name == "gpt" and plan.get("zero") == 3:
             plan, predicted[i] = _planner_parameter_bytes(case_name, plan)
             subcases[i] = (case_name, plan)
-    per_rank = run_ranks(_train_many, world, subcases, deadline_s=600)
+    per_rank = run_shared(_train_many, world, subcases, deadline_s=600, reuse=False)
     failures = []
     for i, (case_name, plan) in enumerate(subcases):
         try:

@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 B, T, D, L = 8, 8, 16, 6
@@ -69,7 +69,7 @@ PLANS = [dict(pp=2, schedule="zbv", num_microbatches=4), dict(pp=2, schedule="1f
 def test_every_kind_of_boundary_value_crosses_ranks():
     from tests.reference import assert_close_state, eager_reference
 
-    per_rank = run_ranks(_run, 2, PLANS, deadline_s=300)
+    per_rank = run_shared(_run, 2, PLANS, deadline_s=300)
     model, x, y = _case()
     for i, plan in enumerate(PLANS):
         ref_losses, ref_state = eager_reference(model, (x,), y, F.mse_loss, functools.partial(torch.optim.SGD, lr=0.1),

@@ -29,6 +29,7 @@ import os
 import pytest
 
 from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 STEPS_A, STEPS_B = 3, 2
 GPT_A4 = dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2, zero=3)
@@ -351,7 +352,7 @@ def test_checkpoint_reshards_and_resumes(tmp_path):
 
     root = str(tmp_path)
     d = {k: os.path.join(root, k) for k in ("gpt4", "moe2", "gpt2", "local", "killed")}
-    run_ranks(_run, 4, root, [("gpt4", "_train_a", ("gpt", GPT_A4, d["gpt4"]))], deadline_s=300)
+    run_shared(_run, 4, root, [("gpt4", "_train_a", ("gpt", GPT_A4, d["gpt4"]))], deadline_s=300)
     run_ranks(_run, 2, root, [
         ("gpt4", "_train_b", ("gpt", GPT_B4, d["gpt4"])),
         ("moe2_a", "_train_a", ("moe_ep", MOE_A2, d["moe2"])),

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 CP = 2
 MB = 2  # microbatch
@@ -123,7 +123,7 @@ def test_ulysses_cp2_matches_full_sequence():
     positions; 2 stages), the CPU flash kernel called directly and SDPA with enable_gqa=True (1 stage);
     F then B, and F, I, W: the mean of the local losses == the full-sequence loss, and the all-reduced
     grads (tangent 1/cp) == the full-sequence grads."""
-    per_rank = run_ranks(_cp_rank, CP, CASES, deadline_s=180)
+    per_rank = run_shared(_cp_rank, CP, CASES, deadline_s=180, reuse=False)
     assert len(per_rank[0]) == 2 * sum(len(v) for v in CASES.values())
     for name in CASES:
         ref_loss, ref_grads = _eager(name)

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 D_IN, D, H, E, K, TOKENS = 6, 16, 24, 4, 2, 24  # tokens per rank: 4 x 6
 RTOL, ATOL = 1e-5, 1e-6
@@ -192,7 +192,7 @@ def _ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def ep2_results():
-    return run_ranks(_ranks, 2, deadline_s=120)
+    return run_shared(_ranks, 2, deadline_s=120, reuse=False)
 
 
 def _assert_ok(results, name):

@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -158,7 +158,7 @@ def test_hf_context_parallel_matches_eager(world):
 
     from tests.reference import assert_close_state
 
-    per_rank = run_ranks(_train_many, world, PLANS[world], CASES[world], deadline_s=600)
+    per_rank = run_shared(_train_many, world, PLANS[world], CASES[world], deadline_s=600, reuse=False)
     failures = []
     for name, padded in CASES[world]:
         label = f"{name}{' +padding' if padded else ''} {PLANS[world]}"

@@ -18,7 +18,7 @@ import functools
 
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -138,28 +138,12 @@ def _check(name, plan, per_rank):
         assert sub["local_shapes"], "no expert parameter was sharded"
 
 
-def _broadcast_inputs_rebuilt() -> bool:
-    """Whether the runtime can receive a stage input traced with a zero stride (the causal
-    mask of every HF decoder, [B, 1, S, S] expanded over B, crosses the pp cut that way)."""
-    import torch
-
-    from autopar.runtime.stage_work import with_strides
-
-    try:
-        return with_strides(torch.zeros(2, 3), (0, 1)).stride() == (0, 1)
-    except RuntimeError:
-        return False
-
-
-_RESULTS: dict = {}
+_RESULTS: dict = {}  # one run per world, shared by its test cases
 
 
 def _results(world: int):
-    if world == 4 and not _broadcast_inputs_rebuilt():
-        pytest.xfail("runtime/stage_work.with_strides copies a received activation into a zero-stride "
-                     "(expanded) layout and fails: pp > 1 over processes cannot run HF decoders yet")
     if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_train_all, world, PLANS[world], WORLD_MODELS[world], deadline_s=300)
+        _RESULTS[world] = run_shared(_train_all, world, PLANS[world], WORLD_MODELS[world], deadline_s=300, reuse=False)
     return _RESULTS[world]
 
 

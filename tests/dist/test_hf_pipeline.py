@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -82,7 +82,7 @@ def test_hf_models_match_eager(world):
     from tests.hf_models import make_hf
     from tests.reference import assert_close_state, eager_reference
 
-    per_rank = run_ranks(_train, world, MATRIX[world], deadline_s=600)
+    per_rank = run_shared(_train, world, MATRIX[world], deadline_s=600)
     failures = []
     for i, (name, plan, kind) in enumerate(MATRIX[world]):
         try:

@@ -15,7 +15,7 @@ import os
 import pytest
 import torch
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -174,7 +174,7 @@ def test_meta_models_checkpoints_and_mixed_precision(world, tmp_path):
             model, inputs, target = _gpt(meta=True)
             plan, predicted[i] = planner_parameter_bytes(model, inputs, target, gpt_loss32, plan)
             subcases[i] = (name, kind, plan)
-    per_rank = run_ranks(_run, world, subcases, files, deadline_s=600)
+    per_rank = run_shared(_run, world, subcases, files, deadline_s=600)
     eager, inputs, target = _gpt(meta=False)
     ref_init = autopar.init_weights(_gpt(meta=True)[0], seed=SEED).state_dict()
     failures = []

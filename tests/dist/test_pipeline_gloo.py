@@ -4,7 +4,7 @@ import functools
 
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,7 @@ def test_gloo_matches_eager(mesh):
     import torch
 
     world, subcases = MATRIX[mesh]
-    per_rank = run_ranks(_train_many, world, subcases, deadline_s=600)
+    per_rank = run_shared(_train_many, world, subcases, deadline_s=600)
     failures = []
     for i, (case_name, plan, opts) in enumerate(subcases):
         label = f"{case_name} {plan} {opts}"

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 ARGS = ["--pp", "2", "--layers", "2", "--d-model", "32", "--seq", "16", "--vocab", "64", "--batch", "8",
         "--microbatches", "2", "--warmup", "2", "--eval-every", "2", "--save-every", "2", "--log-every", "100"]
@@ -63,13 +63,13 @@ def _eager(steps: int, eval_every: int):
 @pytest.mark.slow
 def test_train_example_saves_and_resumes(tmp_path):
     out = str(tmp_path / "run")
-    first = run_ranks(_train, 2, ARGS + ["--steps", "6", "--stop-at", "4", "--out", out], deadline_s=240)
+    first = run_shared(_train, 2, ARGS + ["--steps", "6", "--stop-at", "4", "--out", out], deadline_s=240)
     assert sorted(os.listdir(out)) == ["latest", "step000002", "step000004"]
     with open(os.path.join(out, "latest")) as fh:
         assert fh.read() == "step000004"
     assert os.path.exists(os.path.join(out, "step000004", ".metadata"))
     # fresh processes, the same command with --resume and more steps: it continues at step 5
-    second = run_ranks(_train, 2, ARGS + ["--steps", "6", "--out", out, "--resume"], deadline_s=240)
+    second = run_shared(_train, 2, ARGS + ["--steps", "6", "--out", out, "--resume"], deadline_s=240)
     ref_losses, ref_evals = _eager(6, 2)
     for rank in range(2):  # both pipeline ranks report the step's loss
         a, b = first[rank], second[rank]

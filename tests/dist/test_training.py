@@ -16,7 +16,7 @@ import functools
 import pytest
 import torch
 
-from autopar.runtime.spawn import run_ranks
+from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +120,7 @@ def test_training_pieces_match_eager(world):
     from tests.reference import assert_close_state, eager_reference
 
     subcases = MATRIX[world]
-    per_rank = run_ranks(_run, world, subcases, deadline_s=600)
+    per_rank = run_shared(_run, world, subcases, deadline_s=600, reuse=False)
     failures = []
     for i, (label, case_name, plan, opts) in enumerate(subcases):
         try:

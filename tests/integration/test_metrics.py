@@ -18,22 +18,28 @@ def test_metrics_agree_with_a_timer_and_the_planner(caplog):
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
                              plan=autopar.Plan(pp=2, schedule="1f1b", num_microbatches=4), example_target=case.target,
                              max_grad_norm=1e9, log_every=2)
+    step_errors, rate_errors = [], []
     with caplog.at_level(logging.INFO, logger="autopar"):
-        for _ in range(4):
+        for _ in range(6):
             t0 = time.perf_counter()
             loss = pm.step(case.inputs, case.target)
             elapsed = time.perf_counter() - t0
             m = pm.metrics
-            assert abs(m["step_time_s"] - elapsed) <= 0.05 * elapsed
             tokens = case.inputs[0].numel()
-            assert abs(m["tokens_per_s"] - tokens / elapsed) <= 0.05 * tokens / elapsed
+            step_errors.append(abs(m["step_time_s"] - elapsed) / elapsed)
+            rate_errors.append(abs(m["tokens_per_s"] - tokens / elapsed) / (tokens / elapsed))
             assert m["loss"] == float(loss) and m["grad_norm"] > 0 and m["peak_memory_bytes"] > 0
+    # within 5% of the timer: the median step (a busy 2-core machine can preempt this process
+    # for milliseconds between the step's end and the timer's, inside one 50 ms step)
+    step_errors.sort()
+    rate_errors.sort()
+    assert step_errors[3] <= 0.05 and rate_errors[3] <= 0.05, (step_errors, rate_errors)
     # the step's FLOPs are the planner's: F+I+W of every program for the global batch
     planner_flops = prof.flops_per_sample() * case.inputs[0].shape[0]
     assert abs(m["flops"] - planner_flops) <= 1e-3 * planner_flops, (m["flops"], planner_flops)
     assert 0 < m["mfu"] < 1
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step ")]
-    assert [ln.split(",")[0] for ln in lines] == ["step 2", "step 4"], lines
+    assert [ln.split(",")[0] for ln in lines] == ["step 2", "step 4", "step 6"], lines
     assert "tokens/s" in lines[0] and "grad norm" in lines[0]
 
 
