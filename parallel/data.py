@@ -29,6 +29,8 @@ above. The loss tangent already carries 1/(dp*m*cp): every reduction is a plain 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from autopar.passes.zero_stream import stream_parameters
@@ -354,7 +356,7 @@ class DataParallel(Parallelism):
             padding only is an empty piece of the first (its optimizer state has a name then)."""
             found = False
             for f, shape, o in zip(fqns, shapes, offsets):
-                size = _numel(shape)
+                size = math.prod(shape)
                 a, b = max(lo, o), min(lo + n, o + size)
                 if a < b:
                     out[f] = [Shard(a - o, b - o, tuple(shape), master, start=a - lo)]
@@ -370,7 +372,7 @@ class DataParallel(Parallelism):
         elif self.zero == 1 and self.optimizer is not None:
             for s in self.optimizer.sets:
                 shapes = [tuple(self.params[f].shape) for f in s.names]
-                offsets = [sum(_numel(x) for x in shapes[:i]) for i in range(len(shapes))]
+                offsets = [sum(math.prod(x) for x in shapes[:i]) for i in range(len(shapes))]
                 flat_shard(s.names, shapes, offsets, s.master, s.lo, s.shard)
         else:
             for f in self.trained:
@@ -389,9 +391,3 @@ class DataParallel(Parallelism):
         if self.storage is not None:
             self.storage.holds = [None, None]
 
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -13,6 +13,7 @@ passes/hf_moe.py); the parameter FQNs stay the model's own.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
@@ -71,8 +72,6 @@ class ExpertParallel(Parallelism):
         for f, p in self.params.items():
             sh = self.shards[f]
             assert sh.dim == 0, (f, sh.dim)  # rows of dim 0 are contiguous in the whole
-            row = 1
-            for d in sh.full_shape[1:]:
-                row *= d
+            row = math.prod(sh.full_shape[1:])
             out[f] = [Shard(sh.rows.start * row, sh.rows.stop * row, tuple(sh.full_shape), p)]
         return out

@@ -21,17 +21,23 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 
-def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
+def _join(rank, world, store_path, timeout_s):
+    """One intra-op thread, and this process in the gloo group (FileStore rendezvous)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
+    import torch.distributed as dist
+
     out = os.path.join(result_dir, f"rank{rank}.pkl")
     try:
-        store = dist.FileStore(store_path, world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        _join(rank, world, store_path, timeout_s)
         result = fn(rank, world, *args)
         with open(out, "wb") as fh:
             pickle.dump(("ok", result), fh)
@@ -43,14 +49,10 @@ def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
 
 
 def _pool_worker(rank, world, store_path, conn, timeout_s):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
+        _join(rank, world, store_path, timeout_s)
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         os._exit(1)
