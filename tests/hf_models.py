@@ -67,11 +67,14 @@ def hf_lm_loss(out, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def build_hf(name: str, seed: int = 0):
-    """The model alone (eval-free: train mode, dropout probabilities 0)."""
+def build_hf(name: str, seed: int = 0, use_cache: bool = True):
+    """The model alone (eval-free: train mode, dropout probabilities 0). ``use_cache=False`` is
+    what training scripts set (Trainer, gradient checkpointing): transformers then builds its
+    masks without a cache object, on other graph paths."""
     import transformers as tf
 
     cfg = _config(name)
+    cfg.use_cache = use_cache
     cfg.attn_implementation = "eager" if name == "gemma2" else "sdpa"
     torch.manual_seed(seed)
     cls = tf.BertForMaskedLM if name == "bert" else tf.AutoModelForCausalLM
@@ -80,8 +83,8 @@ def build_hf(name: str, seed: int = 0):
     return model
 
 
-def make_hf(name: str, seed: int = 0, batch: int = 8, seq: int = 16) -> ModelCase:
-    model = build_hf(name, seed)
+def make_hf(name: str, seed: int = 0, batch: int = 8, seq: int = 16, use_cache: bool = True) -> ModelCase:
+    model = build_hf(name, seed, use_cache=use_cache)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
     target = torch.randint(0, VOCAB, (batch, seq), generator=g)
