@@ -10,10 +10,14 @@ blocks it refuses (FQN, why). Two kinds of block are recognized:
 * Hugging Face ``transformers`` blocks whose ``experts`` is a transformers experts module
   (``@use_experts_implementation``: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V3, ...): *dropless*,
   with static buffers sized for the worst case; see passes/hf_moe.py for the dispatch and
-  its memory cost.
+  its memory cost;
+* blocks whose ``experts`` beside a ``gate``/``router`` is an experts module of any other form
+  that keeps the same contract (every parameter ``[E, ...]``, called as
+  ``experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k])``, static shapes): the
+  same dispatch, running the module's own forward on each rank's experts (passes/hf_moe.py).
 
-Any other block that looks like an MoE (an ``experts`` child beside a ``gate``/``router``, or
-experts held as separate modules) is refused by name, with what was expected, before any
+Any other block that looks like an MoE (an ``experts`` module that breaks that contract, or
+experts held as separate modules) is refused by name, with what broke, before any
 communication or change to the model.
 
 The rewrite runs on the eager module, *before* ``capture``: the rewritten forward calls a
@@ -160,8 +164,9 @@ _EXPECTED = f"autopar.nn.MoE (static capacity, batched experts [E, ...]) or {hf_
 
 
 def _scan(model: nn.Module):
-    """(ours: [(fqn, MoE)], hf: [(block fqn, experts fqn, experts module)], refused: [(fqn, class, why)]),
-    in ``named_modules`` order; a block FQN is "" for the root."""
+    """(ours: [(fqn, MoE)], hf: [(block fqn, experts fqn, experts module)] (transformers experts
+    modules and those of other forms), refused: [(fqn, class, why)]), in ``named_modules``
+    order; a block FQN is "" for the root."""
     ours, hf, refused = [], [], []
     for name, m in model.named_modules():
         if isinstance(m, MoE):
@@ -178,11 +183,15 @@ def _scan(model: nn.Module):
             else:
                 refused.append((name, type(m).__name__, f"{prefix} ({type(experts).__name__}): {why}"))
             continue
-        has_router = any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router"))
-        if has_router or isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
-            kind = ("separate expert modules, routed with data-dependent shapes"
-                    if isinstance(experts, (nn.ModuleList, nn.ModuleDict)) else "not a recognized experts module")
-            refused.append((name, type(m).__name__, f"{prefix} is a {type(experts).__name__} ({kind})"))
+        if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
+            refused.append((name, type(m).__name__, f"{prefix} is a {type(experts).__name__} (separate expert "
+                                                    "modules, routed with data-dependent shapes)"))
+        elif any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router")):
+            why = hf_moe.generic_refusal(experts, m)  # an experts module of another form
+            if why is None:
+                hf.append((name, prefix, experts))
+            else:
+                refused.append((name, type(m).__name__, f"{prefix} ({type(experts).__name__}): {why}"))
     return ours, hf, refused
 
 
@@ -193,7 +202,7 @@ def moe_blocks(model: nn.Module) -> list[tuple[str, int]]:
     is the global one, also after the rewrite. ``ep`` must divide every count; a model for which
     ``refused_moe_blocks`` is not empty is refused whatever ``ep`` (ep=1 included)."""
     ours, hf, _refused = _scan(model)
-    found = [(name, m.n_experts) for name, m in ours] + [(name, hf_moe.hf_expert_count(e)) for name, _p, e in hf]
+    found = [(name, m.n_experts) for name, m in ours] + [(name, hf_moe.expert_count(e)) for name, _p, e in hf]
     order = {name: i for i, (name, _m) in enumerate(model.named_modules())}
     return sorted(found, key=lambda item: order[item[0]])
 
@@ -205,7 +214,8 @@ def expert_parameters(model: nn.Module) -> list[str]:
     ours, hf, _refused = _scan(model)
     fqns = [f"{name}.experts.{p}" if name else f"experts.{p}" for name, m in ours
             for p, t in m.experts.named_parameters(recurse=False) if t is not None]
-    fqns += [f"{prefix}.{p}" for _name, prefix, e in hf for p, _t in e.named_parameters(recurse=False)]
+    fqns += [f"{prefix}.{p}" for _name, prefix, e in hf
+             for p, _t in e.named_parameters(recurse=not hf_moe.is_hf_experts(e))]
     order = {f: i for i, (f, _p) in enumerate(model.named_parameters())}
     return sorted(fqns, key=order.__getitem__)
 
@@ -258,14 +268,21 @@ def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
         raise ValueError(f"autopar: ep={ep} but {type(model).__name__} has no MoE block expert parallelism can "
                          f"shard (expected {_EXPECTED}); build the model's MoE layers with autopar.nn.MoE, or use ep=1")
     done = ([name or "<root>" for name, m in ours if isinstance(m, ExpertParallelMoE)]
-            + [name or "<root>" for name, _p, e in hf if isinstance(e, hf_moe.HFExpertParallel)])
+            + [name or "<root>" for name, _p, e in hf
+               if isinstance(e, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel))])
     if done:
         raise ValueError(f"autopar: {done[:4]} are already expert-parallel; apply_expert_parallel runs once per model")
-    for name, n_experts in [(n, m.n_experts) for n, m in ours] + [(n, e.num_experts) for n, _p, e in hf]:
+    for name, n_experts in [(n, m.n_experts) for n, m in ours] + [(n, hf_moe.expert_count(e)) for n, _p, e in hf]:
         if n_experts % ep:
             raise ValueError(f"autopar: MoE block {name or '<root>'} has n_experts={n_experts}, not divisible by "
                              f"ep={ep}; pick ep among the divisors of {n_experts} "
                              f"({[k for k in range(1, n_experts + 1) if n_experts % k == 0]})")
+    for name, prefix, e in hf:
+        why = None if ep == 1 or hf_moe.is_hf_experts(e) else hf_moe.generic_refusal(e, model.get_submodule(name), ep)
+        if why:  # its own code on the E / ep local experts (the E ones passed in _scan)
+            raise ValueError(f"autopar: expert parallelism does not support MoE block {name or '<root>'} at ep={ep}: "
+                             f"{prefix} ({type(e).__name__}) with its {hf_moe.expert_count(e) // ep} local experts: "
+                             f"{why}. Expected {_EXPECTED}; or use ep=1")
     for name, m in ours:
         if not isinstance(m.experts, GroupedExperts):
             raise ValueError(f"autopar: MoE {name or '<root>'}.experts is a {type(m.experts).__name__}, "
@@ -293,12 +310,14 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
 
     shards: dict[str, ExpertShard] = {}
     for name, prefix, experts in hf:
-        for fqn, full_shape in hf_moe.apply_hf_expert_parallel(experts, prefix + ".", ep, ep_rank, group_name):
+        apply = hf_moe.apply_hf_expert_parallel if hf_moe.is_hf_experts(experts) else \
+            hf_moe.apply_generic_expert_parallel
+        for fqn, full_shape in apply(experts, prefix + ".", ep, ep_rank, group_name):
             shards[fqn] = ExpertShard(fqn, 0, full_shape, ep, ep_rank)
-        n_local = experts.num_experts  # the local count once rewritten (E when ep == 1)
+        n_local = hf_moe.expert_count(experts) // ep
         log.info("expert_parallel: %s (%s, dropless) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
                  name or "<root>", type(experts).__name__, ep_rank * n_local, (ep_rank + 1) * n_local,
-                 hf_moe.hf_expert_count(experts), ep, ep_rank)
+                 hf_moe.expert_count(experts), ep, ep_rank)
     for name, m in ours:
         n_local = m.n_experts // ep
         lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local

@@ -13,6 +13,30 @@ made distributed. The experts' ``experts_implementation`` must be ``grouped_mm``
 default) or ``batched_mm``: those are the static-shape implementations (``eager`` loops over
 ``nonzero()``, which no static graph can hold).
 
+Experts modules of any other form (``generic_refusal`` / ``run_local_experts``): a block
+with a ``gate`` / ``router`` child whose ``experts`` child is any other module (a user's own
+class, or a transformers experts class with its forward overridden) is sharded too when it keeps
+the same contract: every parameter of it (its children's included; any names, any number, e.g.
+per-expert biases or output scales ``[E, d]``) holds the ``E`` experts on dim 0, its forward
+takes exactly ``(hidden_states [N, d], top_k_index [N, k], top_k_weights [N, k]) -> [N, d]``,
+its output is the sum over the ``k`` choices of a term of (token, expert, weight) and every
+shape in it is static. ``E`` is its ``num_experts``-like attribute (``_COUNT_ATTRS``) or else
+the leading dim of its first parameter. The dispatch is the one below, except that the routing
+weights travel with the rows (a third, differentiable all-to-all) and padding slots carry a
+*valid* local id 0 with weight 0 and a real row (this rank's token 0): the module's own code
+may index its weights with the id (``W[idx]``), a real token is as finite through an expert as
+the model's own tokens are (a zero row could meet a ``0 / 0`` in an expert without an eps), and
+``0 * finite`` is an exact 0 in the slot's output and in every gradient it sends back (the
+padding slots' outputs are never read). The receiving rank runs the module's own forward (``run_local_experts``) on
+its ``[ep * P]`` slots as ``k = 1`` with its parameters sliced to the local experts and its
+``num_experts``-like attributes set to ``El``; the owner sums its ``k`` slot results per
+token. The contract is checked before any process group work by running the forward on fake
+tensors (``FakeTensorMode``, no data, no shape environment): with all ``E`` experts when the
+block is scanned, and with ``E / ep`` when ``ep`` is known; ``nonzero()``, boolean masks,
+``unique()``, ``.item()`` or Python control flow on tensor values raise there, and the block is
+refused with the reason (as is a parameter without leading dim ``E``, a per-expert buffer, or
+another call signature).
+
 Why tiny Mixtral / Qwen3-MoE capture without EP: transformers 5 picks
 ``experts_implementation="grouped_mm"`` when none is requested
 (``PreTrainedModel.get_correct_experts_implementation``). Its forward sorts the ``N * k``
@@ -71,6 +95,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 
 import torch
 import torch.nn as nn
@@ -78,14 +103,28 @@ import torch.nn as nn
 log = logging.getLogger("autopar")
 
 __all__ = ["STATIC_IMPLEMENTATIONS", "is_hf_experts", "hf_refusal", "hf_expert_count", "apply_hf_expert_parallel",
-           "slots_per_pair"]
+           "slots_per_pair", "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel"]
 
 STATIC_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 _SIGNATURE = ("self", "hidden_states", "top_k_index", "top_k_weights")
 EXPECTED = ("a Hugging Face experts module made by transformers' @use_experts_implementation (3-D expert "
             "parameters with the expert on dim 0, e.g. gate_up_proj [E, 2h, d] and down_proj [E, d, h], called as "
             "experts(hidden_states, top_k_index, top_k_weights)) with experts_implementation "
-            f"{' or '.join(map(repr, STATIC_IMPLEMENTATIONS))}")
+            f"{' or '.join(map(repr, STATIC_IMPLEMENTATIONS))}, or an experts module of another form: every "
+            "parameter with the E experts on dim 0, called as experts(hidden_states [N, d], top_k_index [N, k], "
+            "top_k_weights [N, k]) -> [N, d], with static shapes (no nonzero(), boolean masks, .item())")
+# attributes holding the expert count that a module's own code may read (set to E / ep on a rank)
+_COUNT_ATTRS = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
+
+
+def _first_forward(cls: type):
+    """The ``forward`` that ``cls`` runs: the first in its MRO, the EP mixins of this file skipped."""
+    for c in cls.__mro__:
+        if c in (HFExpertParallel, GenericExpertParallel):
+            continue
+        if "forward" in c.__dict__:
+            return c.__dict__["forward"]
+    return None
 
 
 def _hf_forward(cls: type):
@@ -100,9 +139,14 @@ def _hf_forward(cls: type):
 
 
 def is_hf_experts(module: nn.Module) -> bool:
-    """A transformers experts module (``@use_experts_implementation``), recognized or not."""
+    """A transformers experts module (``@use_experts_implementation``), recognized or not; a
+    subclass with its own ``forward`` is not one (its code is not the implementations'): it is
+    an experts module of another form (``generic_refusal``)."""
+    fwd = _first_forward(type(module))
+    code = getattr(fwd, "__code__", None)
     return (hasattr(module, "_is_expert_parallel") and hasattr(module, "has_gate")
-            and hasattr(module, "config") and _hf_forward(type(module)) is not None)
+            and hasattr(module, "config") and code is not None and "experts_interface" in code.co_freevars
+            and hasattr(fwd, "__wrapped__"))
 
 
 def hf_expert_count(module: nn.Module) -> int:
@@ -137,6 +181,28 @@ def slots_per_pair(num_tokens: int, top_k: int, n_local: int) -> int:
     return num_tokens * min(top_k, n_local)
 
 
+def _route(top_k_index: torch.Tensor, ep: int, n_local: int, pad_token: int, pad_expert: int):
+    """Where every assignment goes (module docstring, step 1), static shapes: ``(P, slot [S],
+    slot_token [ep * P], slot_expert [ep * P])``; ``slot[s]`` is the send-buffer slot of
+    assignment ``s = token * k + choice``, and an empty slot holds token ``pad_token`` and
+    local expert id ``pad_expert``."""
+    n, k = top_k_index.shape
+    pair = slots_per_pair(n, k, n_local)  # P: static, so no token is ever dropped
+    n_slots = ep * pair
+    dev = top_k_index.device
+    expert = top_k_index.reshape(-1)  # [S], assignment s = token * k + choice
+    dest = torch.div(expert, n_local, rounding_mode="floor")  # the rank holding the expert
+    onehot = (dest.unsqueeze(1) == torch.arange(ep, device=dev)).long()  # [S, ep]
+    rank_in_dest = onehot.cumsum(dim=0).gather(1, dest.unsqueeze(1)).squeeze(1) - 1  # < P by construction
+    slot = dest * pair + rank_in_dest  # [S] distinct slots in [0, ep * P)
+    assignment = torch.arange(n * k, device=dev)
+    slot_token = torch.full((n_slots,), pad_token, dtype=torch.long, device=dev).scatter(
+        0, slot, torch.div(assignment, k, rounding_mode="floor"))
+    slot_expert = torch.full((n_slots,), pad_expert, dtype=torch.long, device=dev).scatter(
+        0, slot, expert - dest * n_local)
+    return pair, slot, slot_token, slot_expert
+
+
 class HFExpertParallel:
     """Mixin over a transformers experts class: this rank holds experts
     ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes global expert ids and moves the
@@ -158,20 +224,9 @@ class HFExpertParallel:
         n, d = hidden_states.shape
         k = top_k_index.shape[1]
         ep, n_local = self.ep, self.num_experts
-        pair = slots_per_pair(n, k, n_local)  # P: static, so no token is ever dropped
-        n_slots = ep * pair
-        dev = hidden_states.device
-        expert = top_k_index.reshape(-1)  # [S], assignment s = token * k + choice
-        dest = torch.div(expert, n_local, rounding_mode="floor")  # the rank holding the expert
-        onehot = (dest.unsqueeze(1) == torch.arange(ep, device=dev)).long()  # [S, ep]
-        rank_in_dest = onehot.cumsum(dim=0).gather(1, dest.unsqueeze(1)).squeeze(1) - 1  # < P by construction
-        slot = dest * pair + rank_in_dest  # [S] distinct slots in [0, ep * P)
-        assignment = torch.arange(n * k, device=dev)
         # slot -> token filling it (n: the zero pad row), and the local expert id (n_local: sentinel)
-        slot_token = torch.full((n_slots,), n, dtype=torch.long, device=dev).scatter(
-            0, slot, torch.div(assignment, k, rounding_mode="floor"))
-        slot_expert = torch.full((n_slots,), n_local, dtype=torch.long, device=dev).scatter(
-            0, slot, expert - dest * n_local)
+        pair, slot, slot_token, slot_expert = _route(top_k_index, ep, n_local, n, n_local)
+        n_slots = ep * pair
         x_pad = torch.cat([hidden_states, hidden_states.new_zeros(1, d)], dim=0)
         send = x_pad.index_select(0, slot_token)  # [ep * P, d]; rows [j*P, (j+1)*P) go to rank j
         splits = [pair] * ep
@@ -222,4 +277,258 @@ def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: 
         experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = ep, ep_rank, group_name, n_experts
         experts.num_experts = n_local
         experts._is_expert_parallel = True
+    return sharded
+
+
+# -- experts modules of any other form (module docstring) ---------------------------------------------------------
+
+
+def _count_attrs(module: nn.Module) -> dict[str, int]:
+    """The ``num_experts``-like integer attributes of the instance (what its code may read)."""
+    return {a: v for a in _COUNT_ATTRS if isinstance(v := module.__dict__.get(a), int) and not isinstance(v, bool)}
+
+
+def expert_count(module: nn.Module) -> int | None:
+    """Global expert count ``E`` of an experts module of either kind (also after the EP
+    rewrite): a transformers one's ``num_experts``; for another form its ``num_experts``-like
+    attribute, or else the leading dim of its first parameter (None: it has none)."""
+    if hasattr(module, "ep_experts"):
+        return int(module.ep_experts)
+    if is_hf_experts(module):
+        return hf_expert_count(module)
+    attrs = _count_attrs(module)
+    if attrs:
+        return next(iter(attrs.values()))
+    first = next(iter(module.parameters()), None)
+    return int(first.shape[0]) if first is not None and first.dim() >= 1 else None
+
+
+def _signature(module: nn.Module) -> inspect.Signature:
+    return inspect.signature(_first_forward(type(module)))
+
+
+def _signature_refusal(module: nn.Module) -> str | None:
+    params = list(_signature(module).parameters.values())[1:]  # without self
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if len(params) != 3 or any(p.kind not in positional for p in params):
+        shown = ", ".join(str(p) for p in params)
+        return (f"its forward takes ({shown}), expected exactly three tensors (hidden_states [N, d], top_k_index "
+                "[N, k], top_k_weights [N, k])")
+    return None
+
+
+def _hidden_size_candidates(module: nn.Module, block: nn.Module | None, n_experts: int) -> list[int]:
+    """``d`` to probe the forward with: the router's ``[E, d]`` weight first, then every
+    trailing dim of the experts' parameters."""
+    found = []
+    for r in ("gate", "router"):
+        router = getattr(block, r, None) if block is not None else None
+        if isinstance(router, nn.Module):
+            found += [int(p.shape[1]) for p in router.parameters() if p.dim() == 2 and p.shape[0] == n_experts]
+    found += [int(s) for p in module.parameters() for s in p.shape[1:]]
+    return list(dict.fromkeys(found))
+
+
+_PROBE_TOKENS = 3
+# module -> {(parameter and buffer shapes, count attributes, n_local, d): _probe's answer}: a scan
+# runs several times per parallelize (planner, checks, rewrite)
+_PROBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | None]:
+    key = (tuple((n, tuple(t.shape), t.dtype, t.device.type) for n, t in module.named_parameters()),
+           tuple((n, tuple(t.shape)) for n, t in module.named_buffers()), tuple(_count_attrs(module).items()),
+           n_local, d)
+    memo = _PROBED.setdefault(module, {})
+    if key not in memo:
+        memo[key] = _run_probe(module, n_local, d)
+    return memo[key]
+
+
+def _run_probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | None]:
+    """Run the module's own forward as ``run_local_experts`` calls it (``k = 1``, parameters
+    sliced to ``n_local`` experts, ``num_experts``-like attributes set to it) on fake tensors:
+    ``(data_dependent, why)``, ``why`` None when it kept the contract. Touches no data and
+    leaves the module as it was."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    params = dict(module.named_parameters())
+    first = next(iter(params.values()))
+    dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
+    n = _PROBE_TOKENS
+    saved = _count_attrs(module)
+    try:
+        for a in saved:
+            setattr(module, a, n_local)
+        # the flags torch.export sets (what capture runs under: e.g. transformers' grouped_mm then
+        # takes its custom op, which has a fake kernel)
+        from torch._export.utils import _compiling_state_context
+
+        with _compiling_state_context(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            x = torch.empty(n, d, dtype=dtype, device=first.device)
+            idx = torch.zeros(n, 1, dtype=torch.long, device=first.device)
+            w = torch.empty(n, 1, dtype=dtype, device=first.device)
+            local = {name: p[:n_local] for name, p in params.items()}
+            out = torch.func.functional_call(module, local, (x, idx, w))
+    except DynamicOutputShapeException as e:
+        return True, (f"its forward has a data-dependent shape ({e.func}: e.g. nonzero(), torch.where(mask), a "
+                      "boolean mask index or unique()); expert parallelism captures static shapes only: compute "
+                      "the experts with a one-hot mask over the experts or gather per-token weights W[top_k_index]")
+    except DataDependentOutputException as e:
+        return True, (f"its forward reads tensor values on the host ({e.func}: .item(), .tolist(), int()/bool() "
+                      "of a tensor, or Python control flow on one), which a static graph cannot hold")
+    except Exception as e:  # noqa: BLE001 - the user's code: report what it raised
+        return False, (f"its forward fails on hidden_states [{n}, {d}], top_k_index [{n}, 1], top_k_weights "
+                       f"[{n}, 1] with {n_local} experts: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    finally:
+        for a, v in saved.items():
+            setattr(module, a, v)
+    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+    if shape != (n, d):
+        return False, (f"its forward returns {shape} for hidden_states [{n}, {d}], expected one tensor [{n}, {d}] "
+                       "(the weighted sum over a token's choices)")
+    return False, None
+
+
+def generic_refusal(module: nn.Module, block: nn.Module | None = None, ep: int = 1) -> str | None:
+    """Why EP cannot shard this experts module of another form (module docstring), or None
+    when it can; ``block`` is the module holding it (its router gives ``d``), ``ep`` the degree
+    the forward is probed at (``E / ep`` local experts; the caller checks that ``ep`` divides
+    ``E``). Pure: runs the forward on fake tensors only."""
+    if isinstance(module, GenericExpertParallel):
+        return None  # already rewritten (the caller refuses a second rewrite)
+    why = _signature_refusal(module)
+    if why:
+        return why
+    params = list(module.named_parameters())
+    if not params:
+        return "it has no parameters (expected the experts' weights stacked on dim 0, [E, ...])"
+    n_experts = expert_count(module)
+    attrs = _count_attrs(module)
+    source = f"{next(iter(attrs))}={n_experts}" if attrs else f"the leading dim of {params[0][0]}"
+    for name, p in params:
+        if p.dim() < 1 or p.shape[0] != n_experts:
+            return (f"parameter {name} has shape {tuple(p.shape)}, expected the {n_experts} experts ({source}) on "
+                    "dim 0: every parameter of an experts module is sharded along dim 0")
+    for a, v in attrs.items():
+        if v != n_experts:
+            return f"its {a}={v} differs from its expert count {n_experts} ({source})"
+    for name, b in module.named_buffers():
+        if b.dim() >= 1 and b.shape[0] == n_experts:
+            return (f"buffer {name} {tuple(b.shape)} looks per-expert, and expert parallelism shards parameters "
+                    "only: register it as an nn.Parameter(requires_grad=False)")
+    n_local = n_experts // ep
+    errors = []
+    for d in _hidden_size_candidates(module, block, n_experts):
+        data_dependent, why = _probe(module, n_local, d)
+        if why is None or data_dependent:
+            return why
+        errors.append(why)
+    return errors[0] if errors else "it has no parameter that gives the hidden size d"
+
+
+def run_local_experts(module: nn.Module, hidden: torch.Tensor, local_ids: torch.Tensor,
+                      weights: torch.Tensor) -> torch.Tensor:
+    """The module's OWN forward on rows already on the rank of their experts: ``hidden [M, d]``,
+    ``local_ids [M]`` in ``[0, E / ep)``, ``weights [M]`` (0 on padding rows) -> ``[M, d]``,
+    row ``m`` the module's result for one token with one choice (``k = 1``). The module holds
+    this rank's experts only (parameters sliced, ``num_experts``-like attributes ``E / ep``);
+    independent of how the rows were moved here."""
+    forward = _first_forward(type(module))
+    out = forward(module, hidden, local_ids.unsqueeze(1), weights.unsqueeze(1))
+    if not isinstance(out, torch.Tensor) or out.shape != hidden.shape:
+        raise ValueError(f"autopar: expert-parallel {type(module).__name__} returned "
+                         f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__} for "
+                         f"hidden_states {tuple(hidden.shape)}, expected {tuple(hidden.shape)}")
+    return out
+
+
+class GenericExpertParallel:
+    """Mixin over an experts class of another form: this rank holds experts
+    ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes the module's own arguments with
+    global expert ids, moves rows, ids and routing weights to the experts' ranks, runs
+    ``run_local_experts`` there and sums each token's ``k`` results back on its own rank.
+    Made by ``apply_generic_expert_parallel``."""
+
+    ep: int
+    ep_rank: int
+    ep_group: str
+    ep_experts: int  # global E
+    ep_local: int  # El
+
+    def forward(self, *args, **kwargs):
+        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
+
+        bound = _signature(self).bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:]
+        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
+                or top_k_index.shape[0] != hidden_states.shape[0]:
+            raise ValueError(f"autopar: expert-parallel {type(self).__name__} expects hidden_states [N, d], "
+                             f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
+                             f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+        n, d = hidden_states.shape
+        k = top_k_index.shape[1]
+        ep, n_local = self.ep, self.ep_local
+        # padding slots: token 0 (a real row), local expert 0 (valid for W[idx]), weight 0
+        pair, slot, slot_token, slot_expert = _route(top_k_index, ep, n_local, 0, 0)
+        n_slots = ep * pair
+        slot_assignment = torch.full((n_slots,), n * k, dtype=torch.long, device=hidden_states.device).scatter(
+            0, slot, torch.arange(n * k, device=hidden_states.device))
+        send = hidden_states.index_select(0, slot_token)  # [ep * P, d]; rows [j*P, (j+1)*P) go to rank j
+        w_pad = torch.cat([top_k_weights.reshape(-1), top_k_weights.new_zeros(1)])
+        send_w = w_pad.index_select(0, slot_assignment)  # [ep * P], 0 on padding
+        splits = [pair] * ep
+        recv = all_to_all_single_autograd(send, splits, splits, self.ep_group)
+        recv_w = all_to_all_single_autograd(send_w, splits, splits, self.ep_group)
+        recv_expert = all_to_all_single(slot_expert, splits, splits, self.ep_group)
+        out = run_local_experts(self, recv, recv_expert, recv_w)
+        back = all_to_all_single_autograd(out, splits, splits, self.ep_group)  # chunk j: our rows from rank j
+        return back.index_select(0, slot).view(n, k, d).sum(dim=1)
+
+    def extra_repr(self) -> str:
+        lo = self.ep_rank * self.ep_local
+        return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
+
+
+_GENERIC_CLASSES: dict[type, type] = {}
+
+
+def _generic_class(cls: type) -> type:
+    if cls not in _GENERIC_CLASSES:
+        name, i = f"ExpertParallel{cls.__name__}", 1
+        while name in globals():  # two user classes of one name get two names here
+            i += 1
+            name = f"ExpertParallel{cls.__name__}_{i}"
+        new = type(name, (GenericExpertParallel, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = new
+        _GENERIC_CLASSES[cls] = new
+    return _GENERIC_CLASSES[cls]
+
+
+def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None):
+    """Keep this rank's ``E / ep`` experts of an experts module of another form, in place
+    (``generic_refusal(experts, block, ep) is None`` and ``E % ep == 0`` checked by the caller):
+    every parameter, its children's included, becomes a copy of its dim-0 slice (a parameter
+    held twice stays one), the ``num_experts``-like attributes become ``E / ep``. Returns
+    ``[(fqn, full_shape)]`` of the sharded parameters (``prefix`` ends with ``experts.``).
+    ``ep == 1`` changes nothing."""
+    n_experts = expert_count(experts)
+    n_local = n_experts // ep
+    lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
+    sharded = [(prefix + name, tuple(p.shape)) for name, p in experts.named_parameters()]
+    if ep > 1:
+        copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (full, kept alive; local)
+        for mod in experts.modules():
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in copies:  # a copy of the slice: the model no longer references the full tensor
+                    copies[id(p)] = (p, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+                mod._parameters[pname] = copies[id(p)][1]
+        for a in _count_attrs(experts):
+            setattr(experts, a, n_local)
+        experts.__class__ = _generic_class(type(experts))
+        experts.ep, experts.ep_rank, experts.ep_group = ep, ep_rank, group_name
+        experts.ep_experts, experts.ep_local = n_experts, n_local
     return sharded

@@ -4,10 +4,15 @@ PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps 1e-4)
 
 One process group per world size runs its models as sub-cases (a failing sub-case is
 reported, the others still run):
-  2 ranks: dp=2 x ep=2, 1f1b: Mixtral, Qwen3-MoE, DeepSeek-V3
+  2 ranks: dp=2 x ep=2, 1f1b: Mixtral, Qwen3-MoE, DeepSeek-V3, "custom" (below)
   4 ranks: pp=2 x dp=2 x ep=2, zb-h1: Mixtral (MoE blocks on both pipeline stages; stage 0's
-           backward all-to-alls run in its late W), DeepSeek-V3. Qwen3-MoE differs from Mixtral
-           only in its router, which EP leaves replicated; it is left out here for time.
+           backward all-to-alls run in its late W), DeepSeek-V3, and "custom": tiny Mixtral
+           whose ``mlp.experts`` a user replaced with experts modules of their own (not
+           transformers classes: layer 0 loops over its experts with one-hot masks, layer 1
+           gathers per-token weights ``W[top_k_index]``; extra per-expert output scales and
+           biases ``[E, d]``, one pair in a child module), which EP runs with their own forward
+           on each rank's experts. Qwen3-MoE differs from Mixtral only in its router, which EP
+           leaves replicated; it is left out here for time.
 
 Routing is skewed by construction and the skew is asserted on the eager model: in Mixtral and
 Qwen3-MoE no token of a microbatch picks expert 3, so rank 1 (experts 2, 3) receives zero
@@ -17,6 +22,9 @@ receives no token at all and rank 0's buffers are full (a capacity-based block w
 import functools
 
 import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from tests.dist.harness import run_shared
 
@@ -26,16 +34,93 @@ MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 BATCH, SEQ, LR = 8, 8, 1.0
 PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2),
          4: dict(pp=2, dp=2, ep=2, schedule="zb-h1", num_microbatches=2)}
-WORLD_MODELS = {2: MODELS, 4: ("mixtral", "deepseek_v3")}
+WORLD_MODELS = {2: MODELS + ("custom",), 4: ("mixtral", "deepseek_v3", "custom")}
+
+
+class LoopExperts(nn.Module):
+    """A user's experts module: SwiGLU experts in separate gate / up / down stacks and a
+    per-expert output scale and bias ``[E, d]``; a dense loop over ``self.num_experts`` with
+    one-hot masks (static shapes; every expert computes every token)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.w_up = nn.Parameter(torch.empty(num_experts, inter, hidden))
+        self.w_down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.out_scale = nn.Parameter(torch.empty(num_experts, hidden))
+        self.out_bias = nn.Parameter(torch.empty(num_experts, hidden))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)  # [N, 1]
+            h = F.silu(hidden_states @ self.w_gate[e].T) * (hidden_states @ self.w_up[e].T)
+            out = out + weight * ((h @ self.w_down[e].T) * self.out_scale[e] + self.out_bias[e])
+        return out
+
+
+class PerExpertAffine(nn.Module):
+    def __init__(self, num_experts: int, hidden: int):
+        super().__init__()
+        self.scale = nn.Parameter(torch.empty(num_experts, hidden))
+        self.shift = nn.Parameter(torch.empty(num_experts, hidden))
+
+
+class GatherExperts(nn.Module):
+    """A user's experts module that gathers each token's expert weights (``W[top_k_index]``),
+    with a fused gate/up stack and a per-expert affine output in a child module; no expert
+    count attribute (EP takes ``E`` from the parameters' dim 0)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, inter))
+        self.post = PerExpertAffine(num_experts, hidden)
+
+    def forward(self, x, idx, w):
+        gate, up = torch.einsum("nd,nkhd->nkh", x, self.gate_up[idx]).chunk(2, dim=-1)
+        y = torch.einsum("nkh,nkdh->nkd", F.silu(gate) * up, self.down[idx])
+        y = y * self.post.scale[idx] + self.post.shift[idx]
+        return (w.unsqueeze(-1) * y).sum(dim=1)
+
+
+def custom_experts(model, seed: int = 0):
+    """Replace every ``mlp.experts`` of a tiny Mixtral by ``LoopExperts`` (even layers) /
+    ``GatherExperts`` (odd), as a user would: the expert weights copied (times 5, so that the
+    experts' outputs, hence the per-expert scales' gradients, are not negligible), the extra
+    per-expert parameters drawn from ``seed``."""
+    g = torch.Generator().manual_seed(seed + 7)
+    for i, layer in enumerate(model.model.layers):
+        old = layer.mlp.experts
+        n_experts, two_h, d = old.gate_up_proj.shape
+        h = two_h // 2
+        new = (LoopExperts if i % 2 == 0 else GatherExperts)(n_experts, d, h)
+        gate_up, down = 5.0 * old.gate_up_proj.detach(), 5.0 * old.down_proj.detach()
+        scale = 0.25 + 0.25 * torch.rand(n_experts, d, generator=g)
+        bias = 0.1 * torch.randn(n_experts, d, generator=g)
+        with torch.no_grad():
+            if isinstance(new, LoopExperts):
+                new.w_gate.copy_(gate_up[:, :h])
+                new.w_up.copy_(gate_up[:, h:])
+                new.w_down.copy_(down)
+                new.out_scale.copy_(scale)
+                new.out_bias.copy_(bias)
+            else:
+                new.gate_up.copy_(gate_up)
+                new.down.copy_(down)
+                new.post.scale.copy_(scale)
+                new.post.shift.copy_(bias)
+        layer.mlp.experts = new
+    return model
 
 
 def make_case(name: str):
-    """tests/hf_models' tiny model with its routing skewed (module docstring)."""
-    import torch
-
+    """tests/hf_models' tiny model with its routing skewed (module docstring); "custom": the
+    skewed Mixtral with ``custom_experts``."""
     from tests.hf_models import make_hf
 
-    case = make_hf(name, seed=0, batch=BATCH, seq=SEQ)
+    case = make_hf("mixtral" if name == "custom" else name, seed=0, batch=BATCH, seq=SEQ)
     model = case.model
     with torch.no_grad():
         if name == "deepseek_v3":
@@ -49,6 +134,8 @@ def make_case(name: str):
             model.model.embed_tokens.weight[:, 0] = 0.1
             for layer in model.model.layers:
                 layer.mlp.gate.weight[3, 0] = -10.0
+    if name == "custom":
+        custom_experts(model)
     return case
 
 

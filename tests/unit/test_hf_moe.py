@@ -1,9 +1,12 @@
 """Single process: which MoE blocks expert parallelism shards (``moe_blocks``) and which it
-refuses (named, with what it expected, before any process group is touched); ep=1 changes
-nothing; capture's differentiable ``aten.copy`` (DeepSeek-V3's MLA writes into slices of a
-fresh buffer) gives the eager gradients. The ep=2 numerics are in tests/dist/test_hf_expert_parallel.py."""
+refuses (named, with what it expected, before any process group is touched), for
+transformers experts modules and for experts modules of other forms (their own forward run on
+each rank's experts: ``run_local_experts``); ep=1 changes nothing; capture's differentiable
+``aten.copy`` (DeepSeek-V3's MLA writes into slices of a fresh buffer) gives the eager
+gradients. The ep=2 numerics are in tests/dist/test_hf_expert_parallel.py."""
 import copy
 import functools
+import re
 
 import pytest
 import torch
@@ -98,6 +101,208 @@ def test_expert_count_must_divide_and_a_model_needs_a_block(hf):
         check_expert_parallel(hf["llama"], 2)
     with pytest.raises(ValueError, match="needs an initialized process group"):  # all checks passed, then the group
         apply_expert_parallel(copy.deepcopy(hf["qwen3_moe"]), 2, 1, None)
+
+
+# -- experts modules of other forms (passes/hf_moe.py: generic_refusal, run_local_experts) ------------------------
+
+
+def _custom_mixtral():
+    """tests/dist's tiny Mixtral whose experts a user replaced (LoopExperts, GatherExperts)."""
+    from tests.dist.test_hf_expert_parallel import custom_experts
+
+    return custom_experts(build_hf("mixtral"))
+
+
+def test_experts_of_other_forms_are_sharded_like_hf_ones(hf):
+    from autopar.passes import hf_moe
+
+    model = _custom_mixtral()
+    assert moe_blocks(model) == [("model.layers.0.mlp", 4), ("model.layers.1.mlp", 4)]
+    assert refused_moe_blocks(model) == []
+    # every parameter of the experts module, its child's included; not the router
+    params = expert_parameters(model)
+    assert params == ([f"model.layers.0.mlp.experts.{p}" for p in ("w_gate", "w_up", "w_down", "out_scale", "out_bias")]
+                      + [f"model.layers.1.mlp.experts.{p}" for p in ("gate_up", "down", "post.scale", "post.shift")])
+    check_expert_parallel(model, 2)
+    check_expert_parallel(model, 4)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = model(ids).logits
+    ep1 = copy.deepcopy(model)
+    assert set(apply_expert_parallel(ep1, 1, 0, None)) == set(params)
+    assert type(ep1.model.layers[1].mlp.experts) is type(model.model.layers[1].mlp.experts)
+    assert torch.equal(ep1(ids).logits, want)
+
+    # a transformers experts class whose forward a user overrode is not the transformers code:
+    # the generic form (its own forward, its extra per-expert bias)
+    class BiasedExperts(type(hf["mixtral"].model.layers[0].mlp.experts)):
+        def __init__(self, config):
+            super().__init__(config)
+            self.out_bias = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            out = super().forward(hidden_states, top_k_index, top_k_weights)
+            return out + (top_k_weights.unsqueeze(-1) * self.out_bias[top_k_index]).sum(1)
+
+    sub = copy.deepcopy(hf["mixtral"])
+    sub.model.layers[1].mlp.experts = BiasedExperts(sub.config)
+    assert not hf_moe.is_hf_experts(sub.model.layers[1].mlp.experts)
+    assert hf_moe.is_hf_experts(sub.model.layers[0].mlp.experts)
+    assert moe_blocks(sub) == [("model.layers.0.mlp", 4), ("model.layers.1.mlp", 4)]
+    assert expert_parameters(sub)[-3:] == [f"model.layers.1.mlp.experts.{p}" for p in
+                                           ("gate_up_proj", "down_proj", "out_bias")]
+    check_expert_parallel(sub, 2)
+
+
+def test_run_local_experts_on_each_rank_sums_to_the_module():
+    """The local step alone, ep=2 without a process group: each rank's module (rewritten in
+    place: its parameters sliced) runs its own forward on the rows routed to it, padding rows
+    (token 0, local id 0, weight 0) give exact zeros, and each token's k slot results sum to
+    the unsharded module's output; the gradients too."""
+    from autopar.passes import hf_moe
+    from tests.dist.test_hf_expert_parallel import GatherExperts, LoopExperts
+
+    g = torch.Generator().manual_seed(0)
+    n, k, d, n_experts, ep = 5, 2, 8, 4, 2
+    x = torch.randn(n, d, generator=g)
+    idx = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    for cls in (LoopExperts, GatherExperts):
+        full = cls(n_experts, d, 6)
+        with torch.no_grad():
+            for p in full.parameters():
+                p.copy_(torch.randn(p.shape, generator=g))
+        ranks = [copy.deepcopy(full) for _ in range(ep)]
+        for r, m in enumerate(ranks):
+            shards = hf_moe.apply_generic_expert_parallel(m, "experts.", ep, r, None)
+            assert [f for f, _s in shards] == [f"experts.{p}" for p, _t in full.named_parameters()]
+            assert all(p.shape[0] == n_experts // ep for p in m.parameters())
+            assert hf_moe.expert_count(m) == n_experts
+        want = full(x, idx, w)
+        slot_sum = torch.zeros(n, d)
+        for r, m in enumerate(ranks):
+            mine = (idx // 2 == r).nonzero()  # (token, choice) pairs on rank r
+            rows = torch.cat([x[mine[:, 0]], x[:1]])  # + one padding row
+            local = torch.cat([idx[mine[:, 0], mine[:, 1]] - r * 2, torch.zeros(1, dtype=torch.long)])
+            weights = torch.cat([w[mine[:, 0], mine[:, 1]], torch.zeros(1)])
+            out = hf_moe.run_local_experts(m, rows, local, weights)
+            assert torch.equal(out[-1], torch.zeros(d)), cls  # padding contributes exactly nothing
+            slot_sum = slot_sum.index_add(0, mine[:, 0], out[:-1])
+        torch.testing.assert_close(slot_sum, want, rtol=1e-5, atol=1e-6)
+        # gradients: rank r's local parameters get the rows of its experts of the full gradient
+        grad = torch.randn(n, d, generator=g)
+        torch.autograd.backward(want, grad)
+        torch.autograd.backward(slot_sum, grad)
+        for r, m in enumerate(ranks):
+            for (name, p), (_n, q) in zip(full.named_parameters(), m.named_parameters()):
+                torch.testing.assert_close(q.grad, p.grad[r * 2:(r + 1) * 2], rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _Experts(nn.Module):
+    """A minimal experts module that keeps the contract (the refusal cases below break it)."""
+
+    def __init__(self, n_experts=4, d=8):
+        super().__init__()
+        self.num_experts = n_experts
+        self.w = nn.Parameter(torch.randn(n_experts, d, d))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        y = torch.einsum("nd,nkod->nko", hidden_states, self.w[top_k_index])
+        return (top_k_weights.unsqueeze(-1) * y).sum(1)
+
+
+class _SharedParam(_Experts):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(8))
+
+
+class _TwoArgs(_Experts):
+    def forward(self, hidden_states, routing):
+        return super().forward(hidden_states, *routing)
+
+
+class _VarArgs(_Experts):
+    def forward(self, hidden_states, *routing):
+        return super().forward(hidden_states, *routing)
+
+
+class _Nonzero(_Experts):  # the loop of transformers' "eager" experts
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(self.num_experts):
+            token, choice = torch.where(top_k_index == e)
+            y = hidden_states[token] @ self.w[e].T * top_k_weights[token, choice, None]
+            out = out.index_add(0, token, y)
+        return out
+
+
+class _HostRead(_Experts):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        if (top_k_weights == 0).all():  # a shortcut on the values
+            return torch.zeros_like(hidden_states)
+        return super().forward(hidden_states, top_k_index, top_k_weights)
+
+
+class _PerExpertBuffer(_Experts):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("usage", torch.zeros(4))
+
+
+class _WrongOutput(_Experts):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return torch.einsum("nd,nkod->nko", hidden_states, self.w[top_k_index])  # the k terms, not their sum
+
+
+class _HardCodedCount(_Experts):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for e in range(4):  # not self.num_experts: the rank's 2 local experts have no w[2]
+            weight = (top_k_weights * (top_k_index == e)).sum(-1, keepdim=True)
+            out = out + weight * (hidden_states @ self.w[e].T)
+        return out
+
+
+class _Block(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = experts
+
+
+_REFUSED = [
+    (_SharedParam, r"parameter norm has shape \(8,\), expected the 4 experts \(num_experts=4\) on dim 0"),
+    (_TwoArgs, r"its forward takes \(hidden_states, routing\), expected exactly three tensors"),
+    (_VarArgs, r"its forward takes \(hidden_states, \*routing\), expected exactly three tensors"),
+    (_Nonzero, r"its forward has a data-dependent shape \(aten.nonzero.default.*one-hot mask"),
+    (_HostRead, r"its forward reads tensor values on the host \(aten._local_scalar_dense.default"),
+    (_PerExpertBuffer, r"buffer usage \(4,\) looks per-expert.*nn.Parameter\(requires_grad=False\)"),
+    (_WrongOutput, r"its forward returns \(3, 1, 8\) for hidden_states \[3, 8\], expected one tensor \[3, 8\]"),
+]
+
+
+@pytest.mark.parametrize("experts, why", _REFUSED, ids=[cls.__name__.strip("_") for cls, _w in _REFUSED])
+def test_experts_breaking_the_contract_are_refused_by_name(experts, why):
+    """Named with the experts FQN and what broke, before any process group (none exists)."""
+    model = nn.Sequential(_Block(_Experts()), _Block(experts()))
+    assert moe_blocks(model) == [("0", 4)]
+    refused = refused_moe_blocks(model)
+    assert [name for name, _w in refused] == ["1"]
+    assert re.match(rf"_Block: 1.experts \({experts.__name__}\): {why}", refused[0][1]), refused[0][1]
+    with pytest.raises(ValueError, match=rf"does not support the MoE block\(s\) \['1'\].*1.experts.*{why}"):
+        apply_expert_parallel(model, 2, 0, None)
+    assert model[0].experts.w.shape[0] == 4 and type(model[0].experts) is _Experts  # nothing changed
+
+
+def test_code_that_needs_all_experts_is_refused_at_its_ep_degree():
+    """The forward is probed with E / ep local experts once ep is known: ``range(4)`` over 2."""
+    model = nn.Sequential(_Block(_HardCodedCount()))
+    assert moe_blocks(model) == [("0", 4)] and refused_moe_blocks(model) == []
+    check_expert_parallel(model, 1)
+    with pytest.raises(ValueError, match=r"MoE block 0 at ep=2: 0.experts \(_HardCodedCount\) with its 2 local "
+                                         r"experts: its forward fails on .* with 2 experts: IndexError"):
+        apply_expert_parallel(model, 2, 0, None)
+    assert model[0].experts.w.shape[0] == 4 and model[0].experts.num_experts == 4  # probe left it as it was
 
 
 class _SliceWrites(nn.Module):
