@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils._pytree import tree_leaves
 
 from autopar.errors import CaptureError
 
@@ -131,6 +132,7 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
     except Exception as e:  # noqa: BLE001 - every failure is re-raised as CaptureError with context
         raise CaptureError(_explain_capture_failure(model, e)) from e
     captured = _from_exported(ep, wrapper, model, loss_fn is not None)
+    _copy_before_training_views(captured, model)
     annotate_costs(captured.gm)
     captured.gm.graph.lint()
     return captured
@@ -214,6 +216,74 @@ def _from_exported(ep, wrapper: nn.Module, model: nn.Module, has_target: bool) -
     model_inputs = user_inputs[:-1] if has_target else user_inputs
     return CapturedGraph(gm=gm, params=params, buffers=buffers, constants=constants, inputs=model_inputs,
                          target=target, buffer_updates=buffer_updates, loss=loss_name, aliases=aliases)
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+
+
+def _copy_before_training_views(captured: CapturedGraph, model: nn.Module) -> None:
+    """Make the graph's views valid for the layouts training produces, not only the traced ones.
+
+    Export records values without ``requires_grad``, and some kernels pick their output layout
+    from it: SDPA with a mask that requires grad (T5's learned relative position bias) runs the
+    math kernel, whose output is ``[B, H, S, D]``-contiguous, while the traced one was the flash
+    kernel's ``[B, S, H, D]`` layout. A model's ``x.transpose(1, 2).contiguous().view(...)`` (or
+    ``reshape``) on that output was then recorded as a bare ``view`` (the ``.contiguous()`` was a
+    no-op at trace time), which fails on the training layout: in the joint trace of
+    split_backward and on real tensors. This replays the graph on fake tensors with the
+    parameters' ``requires_grad`` and puts the dropped copy back (``clone``, contiguous) before
+    each view that cannot view what training feeds it. Graphs without such a view are unchanged.
+    """
+    from torch._guards import detect_fake_mode
+
+    from .costs import is_random
+
+    gm, graph = captured.gm, captured.gm.graph
+    phs = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = detect_fake_mode([n.meta.get("val") for n in phs])
+    if fake_mode is None:
+        return
+    grad = {name: model.get_parameter(fqn).requires_grad for name, fqn in captured.params.items()}
+    env: dict[fx.Node, object] = {}
+    changed = False
+    with fake_mode, torch.enable_grad():
+        for node in graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if isinstance(val, torch.Tensor):
+                    val = val.detach()
+                    if grad.get(node.name, False) and val.is_floating_point():
+                        val.requires_grad_(True)
+                env[node] = val
+            elif node.op == "get_attr":
+                env[node] = getattr(gm, node.target)
+            elif node.op == "call_function":
+                args = fx.node.map_arg(node.args, lambda a: env[a])
+                kwargs = fx.node.map_arg(node.kwargs, lambda a: env[a])
+                if is_random(node) and isinstance(val, torch.Tensor):
+                    # no RNG draws while checking layouts; the traced value, with its inputs' grad
+                    needs = any(a.requires_grad for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor))
+                    env[node] = val.detach().requires_grad_(needs and val.is_floating_point())
+                    continue
+                try:
+                    env[node] = node.target(*args, **kwargs)
+                    continue
+                except Exception:  # noqa: BLE001 - judged below: a view we can fix, or the traced value
+                    if node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
+                        env[node] = val
+                        continue
+                src = node.args[0]
+                with graph.inserting_before(node):
+                    dense = graph.call_function(torch.ops.aten.clone.default, (src,),
+                                                {"memory_format": torch.contiguous_format})
+                dense.meta.update({k: v for k, v in node.meta.items() if k != "val"})
+                dense.meta["val"] = src.meta["val"].clone(memory_format=torch.contiguous_format)
+                node.replace_input_with(src, dense)
+                env[dense] = env[src].clone(memory_format=torch.contiguous_format)
+                env[node] = node.target(env[dense], *args[1:], **kwargs)
+                changed = True
+    if changed:
+        gm.recompile()
 
 
 def _differentiable_copy(self: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

@@ -94,7 +94,7 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
                     out = node.meta["val"]  # don't advance any RNG state while annotating
                 else:
                     out = node.target(*args, **kwargs)
-                env[node] = out
+                env[node] = _traced_layout(out, node.meta.get("val"))
                 node.meta["autopar_flops"] = counter.get_total_flops() - before
                 node.meta["autopar_bytes"] = value_bytes(out)
             elif node.op == "get_attr":
@@ -102,6 +102,24 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
                 node.meta["autopar_flops"] = 0
                 node.meta["autopar_bytes"] = 0
     return gm
+
+
+def _traced_layout(out, traced):
+    """``out`` with the strides the capture traced (``traced``: the node's meta['val']).
+
+    A fake replay may lay a value out otherwise than the trace did: SDPA picks its kernel, and
+    with it its output layout, from whether the mask requires grad, which export and a replay
+    see differently. The graph's later views were recorded for the traced layout (export drops
+    a ``.contiguous()`` on what was contiguous then), so the replay continues from a fake tensor
+    with the traced strides."""
+    if isinstance(out, torch.Tensor):
+        if (isinstance(traced, torch.Tensor) and traced.shape == out.shape and traced.stride() != out.stride()
+                and traced.layout == torch.strided):
+            return torch.empty_strided(traced.shape, traced.stride(), dtype=out.dtype, device=out.device)
+        return out
+    if isinstance(out, (tuple, list)) and isinstance(traced, (tuple, list)) and len(out) == len(traced):
+        return type(out)(_traced_layout(o, t) for o, t in zip(out, traced))
+    return out
 
 
 def is_random(node: fx.Node) -> bool:

@@ -449,18 +449,18 @@ class _UnitTimer:
 
     def _env(self, sp, stage, data: dict) -> dict:
         from autopar.passes import keys
+        from autopar.runtime.stage_work import with_strides
 
         phs = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
         out_node = next(n for n in stage.gm.graph.nodes if n.op == "output")
         out_vals = dict(zip(stage.outputs, out_node.args[0]))
 
         def fresh(val, contiguous: bool):
+            # what the runtime hands a program: gradients contiguous, activations in their traced
+            # layout (StageWork.put_inputs), a broadcast dim (stride 0) expanded from one slice
             shape, dt = tuple(val.shape), val.dtype
-            if not dt.is_floating_point:
-                return torch.zeros(shape, dtype=dt)
-            if contiguous:
-                return torch.randn(shape, dtype=dt)
-            return torch.empty_strided(shape, val.stride(), dtype=dt).normal_()
+            t = torch.randn(shape, dtype=dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
+            return t if contiguous else with_strides(t, tuple(val.stride()))
 
         env = {}
         for k in set(sp.f.args) | set(sp.i.args) | set(sp.w.args):

@@ -79,3 +79,68 @@ def test_loss_fn_without_target_is_a_clear_error():
 def test_non_tensor_input_is_a_clear_error():
     with pytest.raises(ValueError, match="input 1"):
         capture(_VectorLoss(), (torch.randn(2, 4), 3))
+
+
+class _LearnedMaskAttention(nn.Module):
+    """SDPA with a learned [B, H, S, S] additive mask (T5's relative position bias), its heads
+    merged by ``transpose(1, 2).contiguous().view(...)`` as Hugging Face models do."""
+
+    def __init__(self, d: int = 8, heads: int = 2, seq: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.bias = nn.Parameter(torch.randn(heads, seq, seq))
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        mask = (2 * self.bias).expand(b, -1, -1, -1)
+        y = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                             attn_mask=mask)
+        return y.transpose(1, 2).contiguous().view(b, s, d)
+
+
+def test_cost_replay_keeps_the_traced_strides():
+    """Export traces SDPA without requires_grad (flash layout, [B, S, H, D] in memory) and drops
+    the ``.contiguous()`` as a no-op; a fake replay with the parameters requiring grad gets the
+    math kernel's layout, on which the graph's bare ``view`` is invalid. annotate_costs replays
+    each op on its traced layout instead, and counts what the trace recorded."""
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    from autopar.passes.costs import annotate_costs, value_bytes
+
+    torch.manual_seed(0)
+    ep = torch.export.export(_LearnedMaskAttention(), (torch.randn(2, 4, 8),), strict=False).run_decompositions({})
+    gm = annotate_costs(ep.graph_module)
+    sdpa = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == 1
+    q = sdpa[0].args[0].meta["val"]
+    assert sdpa[0].meta["autopar_flops"] == sdpa_flop_count(q.shape, q.shape, q.shape) == 4 * 2 * 2 * 4 * 4 * 4
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assert n.meta["autopar_bytes"] == value_bytes(n.meta["val"]), n.name
+
+
+def test_capture_of_a_learned_mask_attention_trains_like_eager():
+    """The capture puts the dropped copy back before the view, so the joint trace and the real
+    run (math kernel: the mask requires grad) can run it: local mode equals eager."""
+    import functools
+
+    import torch.nn.functional as F
+
+    from tests.reference import assert_close_state, eager_reference
+
+    torch.manual_seed(0)
+    model = _LearnedMaskAttention()
+    x, y = torch.randn(4, 4, 8), torch.randn(4, 4, 8)
+    cap = capture(model, (x[:2],), y[:2], F.mse_loss)
+    view = next(n for n in cap.gm.graph.nodes
+                if n.target is torch.ops.aten.view.default and n.meta["val"].shape == (2, 4, 8))
+    assert view.args[0].target is torch.ops.aten.clone.default, cap.gm.code
+    sgd = functools.partial(torch.optim.SGD, lr=0.5)
+    ref_losses, ref_state = eager_reference(model, (x,), y, F.mse_loss, sgd, num_microbatches=2, steps=2)
+    pm = autopar.parallelize(model, (x,), loss_fn=F.mse_loss, optimizer=sgd, plan=autopar.Plan(num_microbatches=2),
+                             example_target=y)
+    for want in ref_losses:
+        torch.testing.assert_close(pm.step((x,), y), want, rtol=1e-5, atol=0)
+    assert_close_state(pm.state_dict(), ref_state, rtol=1e-4)
