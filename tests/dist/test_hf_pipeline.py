@@ -1,14 +1,20 @@
 """H1 and H4: Hugging Face ``transformers`` models, unmodified, over gloo against single-process
 eager PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps 1e-4).
 
-  2 ranks: pp=2 with zbv and with 1f1b: GPT-2, Llama, Qwen2, Mistral, Gemma2, Mixtral,
-           Qwen3-MoE, DeepSeek-V3, BERT (the causal mask crosses the pipeline cut as a
-           broadcast view; Gemma2's eager soft-capped attention; MoE blocks in local mode)
+  2 ranks: pp=2 with zbv: GPT-2, Llama, Qwen2, Mistral, Gemma2, Mixtral, Qwen3-MoE,
+           DeepSeek-V3, BERT, and with 1f1b: GPT-2 and Llama (every model with AUTOPAR_HF_FULL=1)
+           (the causal mask crosses the pipeline cut as a broadcast view; Gemma2's eager
+           soft-capped attention; MoE blocks in local mode)
   4 ranks: pp=2 x dp=2, 1f1b: Llama, Mixtral, BERT; and H4: a dict batch
            (``input_ids``, ``attention_mask``) with a loss_fn, and ``labels`` in the dict with
            ``loss_fn=None`` (the model's own loss), on Llama
+  R3 (2 ranks): T5, an encoder-decoder (learned relative position bias as SDPA mask,
+           cross-attention), ``input_ids``, ``attention_mask``, ``decoder_input_ids`` and
+           ``labels`` in the dict, pp=2 zbv: the encoder output and its mask cross into the
+           decoder stages (pp=1 in local mode: tests/integration/test_hf_seq2seq.py)
 """
 import functools
+import os
 
 import pytest
 import torch
@@ -19,9 +25,14 @@ pytestmark = pytest.mark.slow
 
 ALL = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3", "bert")
 LR, BATCH, SEQ = 0.5, 8, 16
+FULL = os.environ.get("AUTOPAR_HF_FULL") == "1"
 MATRIX = {
-    # both schedules at 4 microbatches: one capture serves both (tests/dist/harness.reuse_captures)
-    2: [(name, dict(pp=2, schedule=s, num_microbatches=4), "tuple") for name in ALL for s in ("zbv", "1f1b")],
+    # zbv (two stages per rank: three cuts through the model) on every model; 1f1b (one cut) on
+    # GPT-2 and Llama by default and on every model with AUTOPAR_HF_FULL=1 (the same capture
+    # serves both schedules at 4 microbatches: tests/dist/harness.reuse_captures)
+    2: [(name, dict(pp=2, schedule=s, num_microbatches=4), "tuple") for name in ALL
+        for s in ("zbv", "1f1b") if s == "zbv" or FULL or name in ("gpt2", "llama")]
+    + [("t5", dict(pp=2, schedule="zbv", num_microbatches=4), "seq2seq")],
     4: [(name, dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "tuple") for name in ("llama", "mixtral", "bert")]
     + [("llama", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "dict"),
        ("llama", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "labels")],
@@ -41,6 +52,10 @@ def _batch(case, kind: str):
         return {"input_ids": ids, "attention_mask": mask}, case.target, case.loss_fn
     if kind == "labels":
         return {"input_ids": ids, "labels": case.target}, None, None
+    if kind == "seq2seq":
+        from tests.hf_models import seq2seq_batch
+
+        return seq2seq_batch(case), None, None
     return case.inputs, case.target, case.loss_fn
 
 
@@ -90,7 +105,7 @@ def test_hf_models_match_eager(world):
             inputs, target, loss_fn = _batch(case, kind)
             model = case.model
             if isinstance(inputs, dict):
-                model, inputs = _Keywords(model, tuple(inputs), kind == "labels"), tuple(inputs.values())
+                model, inputs = _Keywords(model, tuple(inputs), loss_fn is None), tuple(inputs.values())
             ref_losses, ref_state = eager_reference(model, inputs, target, loss_fn, _sgd(), dp=plan.get("dp", 1),
                                                     num_microbatches=plan["num_microbatches"], steps=2)
             if isinstance(model, _Keywords):
