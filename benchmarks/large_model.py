@@ -27,8 +27,9 @@ What it does, in order:
    builds the meta model, ``parallelize(..., weights=<file>, plan=<the planner's pp=4 plan>)``
    (each materializes and reads only its stages' tensors), and trains ``--steps`` AdamW steps.
 
-**The cap** is ``resource.setrlimit(RLIMIT_DATA, cap)`` in each process, set after torch is
-imported and the process group is up, before the model is built. RLIMIT_DATA limits the
+**The cap** is ``resource.setrlimit(RLIMIT_DATA, cap)`` (the soft limit, the one enforced) in each
+process, set after torch is imported and the process group is up, before the model is built,
+and restored when the rank's work returns. RLIMIT_DATA limits the
 process's private writable mappings (heap, anonymous mmap: every tensor torch allocates on
 CPU); past it, torch's CPU allocator raises ``RuntimeError: DefaultCPUAllocator: can't allocate
 memory``. RLIMIT_AS is not used: it counts every reserved address range (a torch process with
@@ -66,6 +67,7 @@ the run completed (PASS/FAIL is printed); 1 when a step of it failed unexpectedl
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -161,10 +163,19 @@ def warm_runtime() -> None:
     gc.collect()
 
 
-def set_cap(cap_bytes: int) -> None:
+@contextlib.contextmanager
+def memory_cap(cap_bytes: int):
+    """RLIMIT_DATA's soft limit (the one the kernel enforces) at ``cap_bytes`` inside, the previous
+    limits after: a process that runs several jobs in turn (a pool of ranks) is not left capped."""
     import resource
 
-    resource.setrlimit(resource.RLIMIT_DATA, (int(cap_bytes), int(cap_bytes)))
+    old = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = int(cap_bytes) if old[1] == resource.RLIM_INFINITY else min(int(cap_bytes), old[1])
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, old)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -269,28 +280,32 @@ def _single_rank(rank, world, cfg, gcfg):
     import autopar
 
     start = proc_status()
-    set_cap(cfg["cap"])
     phase = "parallelize"
-    try:
-        pm, idx, target = _build(cfg, gcfg, autopar.Plan(pp=1, num_microbatches=cfg["microbatches"]))
-        for step in range(cfg["steps"]):
-            phase = f"step {step + 1}"
-            pm.step(idx, target)
-    except (RuntimeError, MemoryError) as e:
-        return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}", "phase": phase,
-                "start": start, "end": proc_status()}
-    return {"error": None, "phase": "done", "start": start, "end": proc_status()}
+    with memory_cap(cfg["cap"]):
+        try:
+            pm, idx, target = _build(cfg, gcfg, autopar.Plan(pp=1, num_microbatches=cfg["microbatches"]))
+            for step in range(cfg["steps"]):
+                phase = f"step {step + 1}"
+                pm.step(idx, target)
+        except (RuntimeError, MemoryError) as e:
+            return {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}", "phase": phase,
+                    "start": start, "end": proc_status()}
+        return {"error": None, "phase": "done", "start": start, "end": proc_status()}
 
 
 def _train_rank(rank, world, cfg, gcfg, plan):
+    start = proc_status()  # the runtime: interpreter, torch, gloo; nothing of the model yet
+    warm_runtime()
+    warm = proc_status()   # ... and the capture machinery loaded
+    with memory_cap(cfg["cap"]):
+        return _train_capped(cfg, gcfg, plan, start, warm)
+
+
+def _train_capped(cfg, gcfg, plan, start, warm):
     from autopar.inspect import resident_parameter_bytes
     from autopar.runtime.memory_probe import PeakTensorMemory
     from benchmarks.memory_model import state_tensors
 
-    start = proc_status()  # the runtime: interpreter, torch, gloo; nothing of the model yet
-    warm_runtime()
-    warm = proc_status()   # ... and the capture machinery loaded
-    set_cap(cfg["cap"])
     t0 = time.perf_counter()
     pm, idx, target = _build(cfg, gcfg, plan)
     built = {"build_s": time.perf_counter() - t0, "after_build": proc_status(),

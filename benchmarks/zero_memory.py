@@ -51,7 +51,8 @@ def _rank_main(rank, world, cfg):
     plan = autopar.Plan(dp=world, schedule="1f1b", num_microbatches=1, zero=cfg["zero"])
     pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=opt, plan=plan, example_target=target)
     sharded = pm.built.parallelisms["dp"].storage
-    inner = pm.optimizer.optimizer if sharded is not None else pm.optimizer
+    # pm.optimizer is a torch Optimizer at every ZeRO level; a wrapper's state is its inner optimizer's
+    inner = pm.optimizer
     trained = list(pm.built.params.values()) + (sharded.masters() if sharded is not None else [])
     snap = {}
 

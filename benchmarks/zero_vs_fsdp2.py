@@ -93,7 +93,7 @@ def _rank_main(rank, world, cfg):
 
     sharded = pm.built.parallelisms["dp"].storage
     ours_state = [p.data for p in pm.built.params.values() if p.data.numel()] + sharded.masters() + \
-        [t for st in pm.optimizer.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        [t for st in pm.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     peer_state = list(peer.parameters()) + \
         [t for st in peer_opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
     peaks = {}

@@ -1,11 +1,14 @@
-"""Smoke test of benchmarks/split_backward.py (A5) and benchmarks/capture.py (A6) at tiny sizes.
+"""Smoke tests of the single-process benchmarks at tiny sizes: benchmarks/split_backward.py (A5),
+benchmarks/capture.py (A6), benchmarks/schedules_vs_torch.py (the simulator tables) and
+benchmarks/gpu_check.py (R7: its refusal without CUDA; the whole check where CUDA is present).
 
 Each script's ``main(argv)`` runs in this process (no second torch import): it must return 0.
 Timings are never judged here (a shared CI box is noisy, and tiny sizes are all overhead);
 what is checked can fail for a real reason: the gradients agree with eager PyTorch (the
 benchmark's own check, and one computed here), the check catches a wrong gradient, every ratio
-printed is the ratio of the medians printed beside it, a verdict matches its number, and the
-capture's counts match the model.
+printed is the ratio of the medians printed beside it, a verdict matches its number, the
+capture's counts match the model, identical schedules simulate to identical makespans and no
+makespan beats the single-step lower bound.
 """
 import importlib.util
 import math
@@ -152,3 +155,59 @@ def test_benchmark_help_has_flags(name, capsys):
     out = capsys.readouterr().out
     for flag in ("--layers", "--d-model"):
         assert flag in out
+
+
+def test_schedules_vs_torch_benchmark_runs(capsys):
+    bench = _load("schedules_vs_torch")
+    pp, effort = 2, 2
+    assert bench.main(["--pp", str(pp), "--quick", "--effort", str(effort)]) == 0
+    out = capsys.readouterr().out
+    profiles = list(bench.PROFILES)
+    # Table 1: one row per pair (m = 2p with --quick); the same order of actions must give the same
+    # makespan in every profile; the worst ratio is the largest cell
+    cells = rf"((?:\s+{NUM}){{{len(profiles)}}})"
+    rows = re.findall(rf"^(\S+) vs (\S+)\s+{pp}\s+{2 * pp}{cells}\s+(yes|no)$", out, re.M)
+    assert [(a, b) for a, b, _c, _s in rows] == [(ours, cls) for cls, ours, _v in bench.PAIRS], out
+    worst = 0.0
+    for _a, _b, c, same in rows:
+        ratios = [float(x) for x in c.split()]
+        assert all(r > 0 for r in ratios), c
+        if same == "yes":
+            assert ratios == [1.0] * len(profiles), (c, same)
+        worst = max(worst, *ratios)
+    w = re.search(rf"^worst ratio: ({NUM})$", out, re.M)
+    assert w and float(w.group(1)) == worst, (w, worst)
+    # Table 2: per profile, the lower bound m (F + I + W) + (p - 1) F / 2 (every rank computes m (F + I + W);
+    # the last rank waits for microbatch 0), both libraries' best makespans at or above it, the ratio
+    # ours / torch, and the searched column no worse than the default one
+    m = 2 * pp
+    t2 = re.findall(rf"^\s+{pp}\s+{m} (\S+)\s+({NUM})\s+({NUM}) (\S+)\s+({NUM}) (\S+)\s+({NUM})\s+({NUM})\s+({NUM})$",
+                    out, re.M)
+    assert [r[0] for r in t2] == profiles, out
+    summary = {}
+    for key, bound, bt, _lt, bo, _lo, ratio, be, ratio_e in t2:
+        f, i, w_ = bench.PROFILES[key]
+        assert _agrees(bound, (m * (f + i + w_) + (pp - 1) * f / 2,) * 2), (key, bound)
+        assert _bounds(bt)[1] >= _bounds(bound)[0] and _bounds(bo)[1] >= _bounds(bound)[0], (key, bound, bt, bo)
+        assert _agrees(ratio, _ratio_bounds(bo, bt)) and _agrees(ratio_e, _ratio_bounds(be, bt)), (key, ratio, ratio_e)
+        assert float(be) <= float(bo), (key, be, bo)
+        summary[key] = (ratio, ratio_e)
+    for key, (ratio, ratio_e) in summary.items():  # one row per profile: its min and max are that row's
+        line = re.search(rf"^profile {re.escape(key)}\s+ours/torch: default min ({NUM}) max ({NUM}); effort={effort} "
+                         rf"min ({NUM}) max ({NUM})$", out, re.M)
+        assert line and line.groups() == (ratio, ratio, ratio_e, ratio_e), (key, line, ratio, ratio_e)
+
+
+def test_gpu_check_runs(capsys, tmp_path):
+    bench = _load("gpu_check")
+    if not torch.cuda.is_available():  # the CPU path: refuses with exit code 2, saying why
+        assert bench.main([]) == 2
+        assert "no CUDA device here" in capsys.readouterr().err
+        return
+    rc = bench.main(["--layers", "2", "--d-model", "64", "--heads", "2", "--seq", "32", "--batch", "8",
+                     "--trace", str(tmp_path / "trace.json")])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    checks = re.findall(r"^numerics local_transfers=(True|False): .* (OK|MISMATCH) \(rtol", out, re.M)
+    assert checks == [("False", "OK"), ("True", "OK")], out
+    assert re.search(r"^RESULT numerics OK, streams OK$", out, re.M), out

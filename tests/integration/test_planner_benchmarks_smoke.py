@@ -1,26 +1,31 @@
-"""The live-tensor memory probe on known cases, and smoke runs of the planner benchmarks
-(benchmarks/memory_model.py: P3, benchmarks/cost_model.py: P4) at tiny sizes.
+"""The live-tensor memory probe on known cases, and smoke runs of the planner and memory
+benchmarks at tiny sizes (benchmarks/memory_model.py: P3, cost_model.py: P4, zero_memory.py:
+X2, large_model.py: L6), each ``main`` in this process with its ranks on the session's shared
+pool of gloo processes (``_run``).
 
 The benchmarks' targets are not asserted (timing on a shared machine is noisy, and tiny models
 are all overhead). What is checked can fail for a real reason: P3's predicted weights,
 gradients and optimizer states equal the measured ones, and the measured weights add up to the
 model's parameter count; P4's predicted pipeline makespan is within bounds derived from the
 stage costs it prints (exactly m x (F + I + W) on one stage); every error, median, Spearman
-correlation and verdict printed is the one the printed numbers give (to their rounding).
+correlation and verdict printed is the one the printed numbers give (to their rounding; the
+Spearman correlation is computed here by hand, ties as average ranks); X2's dp=1 bytes are the
+model's and ZeRO-2/3 hold every gradient and optimizer element once across the replicas; L6's
+pp=2 run from the safetensors file it wrote trains as eager PyTorch from autopar's init.
 """
+import contextlib
 import gc
-import os
+import importlib
+import io
+import math
 import re
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from autopar.runtime.memory_probe import PeakTensorMemory, storage_bytes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 2 ** 20
 NUM = r"[-+]?\d+\.\d+"
 
@@ -67,13 +72,33 @@ def test_probe_sees_autograd_and_inplace_resize():
     assert storage_bytes([w, w.grad, w.grad[0]]) == 2 * 256 * 1024
 
 
-def _run(script: str, args: list[str], timeout: float = 120.0) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
+def _run(script: str, args: list[str], deadline_s: float = 120.0) -> str:
+    """``benchmarks/<script>``'s ``main(args)`` in this process, its ranks on this session's shared
+    pool of gloo processes (``tests/dist/harness.run_shared``: started and imported once, not per
+    script) instead of freshly spawned ones; returns what it printed. It must return 0."""
+    from autopar.runtime import spawn
+    from tests.dist.harness import run_shared
 
+    mod = importlib.import_module("benchmarks." + script.removesuffix(".py"))  # a module the ranks can import
+
+    def pooled(fn, world, *a, timeout_s=None, deadline_s=deadline_s, expect_failure=False):
+        assert not expect_failure
+        return run_shared(fn, world, *a, deadline_s=min(deadline_s, limit), reuse=False)
+
+    limit, saved = deadline_s, (spawn.run_ranks, getattr(mod, "run_ranks", None))
+    spawn.run_ranks = pooled  # the scripts import it at the top or inside main
+    if saved[1] is not None:
+        mod.run_ranks = pooled
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = mod.main(args)
+    finally:
+        spawn.run_ranks = saved[0]
+        if saved[1] is not None:
+            mod.run_ranks = saved[1]
+    assert rc == 0, buf.getvalue()
+    return buf.getvalue()
 
 
 def _bounds(text: str) -> tuple[float, float]:
@@ -92,6 +117,11 @@ def _error_bounds(pred: str, meas: str) -> tuple[float, float]:
     """100 (p - m) / m over the rounding box of p and m (increasing in p, decreasing in m)."""
     (plo, phi), (mlo, mhi) = _bounds(pred), _bounds(meas)
     return 100 * (plo - mhi) / mhi, 100 * (phi - mlo) / mlo
+
+
+def _ratio_bounds(a: str, b: str) -> tuple[float, float]:
+    (alo, ahi), (blo, bhi) = _bounds(a), _bounds(b)
+    return alo / bhi, ahi / blo
 
 
 def _diff_bounds(a: str, b: str) -> tuple[float, float]:
@@ -118,6 +148,7 @@ def _param_count() -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")  # one worker, one shared pool for every benchmark with ranks
 def test_memory_model_benchmark_runs():
     out = _run("memory_model.py", TINY + ["--plans", "1f1b:2,zb-h1:2"])
     n_params = _param_count()
@@ -181,13 +212,40 @@ def test_memory_model_benchmark_runs():
     assert verdict and verdict.group(1) == ("PASS" if all(m == "ok" for m in marks) else "FAIL"), (verdict, marks)
 
 
-def _spearman(x: list[float], y: list[float]) -> float:
-    from scipy.stats import spearmanr
+def _average_ranks(v: list[float]) -> list[float]:
+    """1-based ranks; tied values share the mean of the ranks they span: a value's rank is the
+    number of values below it plus (1 + the number equal to it, itself included) / 2."""
+    return [sum(u < x for u in v) + (1 + sum(u == x for u in v)) / 2 for x in v]
 
-    return float(spearmanr(x, y).statistic)
+
+def _spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rho with ties averaged: Pearson's correlation of the average ranks (nan when
+    one side is constant: no ranking to correlate)."""
+    rx, ry = _average_ranks(x), _average_ranks(y)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    return sxy / math.sqrt(sxx * syy) if sxx and syy else math.nan
+
+
+def test_spearman_by_hand():
+    # no ties: 1 - 6 sum d^2 / (n (n^2 - 1)); ranks [1, 3, 2, 4] vs [1, 2, 3, 4]: d^2 sum 2, n 4 -> 0.8
+    assert math.isclose(_spearman([1.0, 7.0, 5.0, 9.0], [0.1, 0.2, 0.3, 0.4]), 0.8)
+    # ties: [1, 2, 2, 3] has ranks [1, 2.5, 2.5, 4]; against [1, 2, 3, 4]: Pearson = 4.5 / sqrt(4.5 * 5)
+    assert _average_ranks([1.0, 2.0, 2.0, 3.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert math.isclose(_spearman([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]), 4.5 / math.sqrt(4.5 * 5))
+    assert math.isclose(_spearman([3.0, 2.0, 1.0], [1.0, 5.0, 9.0]), -1.0)
+    assert math.isnan(_spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+    # the benchmark's own implementation agrees (it prints what the test above checks)
+    import importlib
+
+    bench = importlib.import_module("benchmarks.cost_model")
+    for x, y in (([1.0, 7.0, 5.0, 9.0], [0.1, 0.2, 0.3, 0.4]), ([1.0, 2.0, 2.0, 3.0], [4.0, 4.0, 1.0, 3.0])):
+        assert math.isclose(bench.spearman(x, y), _spearman(x, y))
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
 def test_cost_model_benchmark_runs():
     plans = {"pp=2 dp=1 1f1b m=2": 2, "pp=2 dp=1 gpipe m=4": 4, "pp=1 dp=2 1f1b m=2 zero=1": 2}
     out = _run("cost_model.py", TINY + ["--plans", "1f1b:2,gpipe:4,1f1b:2:pp=1:dp=2:zero=1", "--steps", "2",
@@ -243,3 +301,106 @@ def test_cost_model_benchmark_runs():
         assert med.group(2) == ("PASS" if float(med.group(1)) < 25 else "FAIL"), med.group(0)
     verdict = re.search(r"^P4 cost model: (PASS|FAIL)$", out, re.M)
     assert verdict and verdict.group(1) == ("PASS" if rho.group(2) == med.group(2) == "PASS" else "FAIL"), out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_zero_memory_benchmark_runs():
+    dp = 2
+    out = _run("zero_memory.py", ["--dp", str(dp), "--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16",
+                                  "--batch", "4", "--vocab", "256"])
+    kib = lambda n: 4 * n / 1024  # noqa: E731 - fp32 bytes of n elements, in KiB
+    n = _param_count()
+    rows = re.findall(rf"^(dp=1|dp={dp} ZeRO-3|dp={dp} ZeRO-2)\s+(\d+)" + rf"\s+({NUM})" * 7 + r"\s+(\d+)$", out, re.M)
+    runs = {}
+    for label, r, *vals in rows:
+        runs.setdefault(label, []).append(dict(zip(("params", "grads", "optim", "state", "ratio", "buffers", "peak",
+                                                    "gathers"), vals)))
+    assert {k: len(v) for k, v in runs.items()} == {"dp=1": 1, f"dp={dp} ZeRO-3": dp, f"dp={dp} ZeRO-2": dp}, out
+    base = runs["dp=1"][0]
+    # dp=1 from the model: every parameter, a gradient each, AdamW's exp_avg and exp_avg_sq each
+    for key, mult in (("params", 1), ("grads", 1), ("optim", 2)):
+        assert _agrees(base[key], (kib(mult * n),) * 2), (key, base[key], kib(mult * n))
+    assert base["ratio"] == "1.000" and base["buffers"] == "0.0", base
+    for label, per_rank in runs.items():
+        for row in per_rank:
+            # state = params + grads + optim, the ratio is state / dp=1's, and the step's peak holds the state
+            parts = [_bounds(row[k]) for k in ("params", "grads", "optim")]
+            assert _agrees(row["state"], (sum(x for x, _ in parts), sum(y for _, y in parts))), (label, row)
+            assert _agrees(row["ratio"], _ratio_bounds(row["state"], base["state"])), (label, row)
+            assert float(row["peak"]) >= float(row["state"]), (label, row)
+        if label == "dp=1":
+            continue
+        # ZeRO-2/3 shard the gradients and the optimizer states: across the replicas each element once
+        # (+ padding of the flat groups to a multiple of dp: under 1% here)
+        for key in ("grads", "optim"):
+            total = sum(_bounds(row[key])[1] for row in per_rank)
+            assert sum(_bounds(row[key])[0] for row in per_rank) <= 1.01 * float(base[key]) and \
+                total >= _bounds(base[key])[0], (label, key, per_rank)
+        for row in per_rank:
+            if "ZeRO-2" in label:  # whole parameters + the fp32 shard the optimizer steps (the gradient's layout)
+                assert _agrees(row["grads"], _diff_bounds(row["params"], base["params"])), (label, row)
+                assert row["buffers"] == "0.0", row
+            else:  # ZeRO-3: shards (+ the resident group whole): at least 1/dp of the parameters, two gather buffers
+                assert _bounds(row["params"])[1] >= float(base["params"]) / dp and float(row["buffers"]) > 0, row
+    z3 = runs[f"dp={dp} ZeRO-3"]
+    # ZeRO-3 gathers the same groups every step (2 steps), every layer group at least once a step
+    assert base["gathers"] == "0" and len({row["gathers"] for row in z3}) == 1, (base, z3)
+    assert int(z3[0]["gathers"]) % 2 == 0 and int(z3[0]["gathers"]) >= 2 * TINY_MODEL["n_layer"], z3
+    x2 = re.search(rf"^X2: ZeRO-3 at dp={dp}: worst rank holds ({NUM})% of dp=1's parameter \+ gradient \+ optimizer "
+                   rf"bytes \(target <= 30%\), plus ({NUM}) KiB of gather buffers: (PASS|FAIL)$", out, re.M)
+    assert x2, out
+    worst = max(z3, key=lambda row: float(row["state"]))
+    assert _agrees(x2.group(1), tuple(100 * x for x in _ratio_bounds(worst["state"], base["state"]))), (x2.group(0), z3)
+    assert x2.group(2) == z3[0]["buffers"], (x2.group(0), z3)
+    # PASS needs every ZeRO-3 rank's state within 30% of dp=1's plus its buffers
+    over = any(_bounds(row["state"])[0] > 0.3 * _bounds(base["state"])[1] + _bounds(row["buffers"])[1] for row in z3)
+    assert not (over and x2.group(3) == "PASS"), (x2.group(0), z3)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_large_model_benchmark_runs(tmp_path):
+    steps, m = 2, 2
+    # the cap (8 GiB) leaves a pooled process room: at this size neither the planner nor the allocator refuses
+    out = _run("large_model.py", ["--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "256", "--seq", "16",
+                                  "--batch", "4", "--microbatches", str(m), "--pp", "2", "--steps", str(steps),
+                                  "--cap-gib", "8", "--workdir", str(tmp_path)])
+    import autopar
+    from autopar.examples.gpt import gpt_loss
+    from tests.reference import eager_reference
+
+    bench = importlib.import_module("benchmarks.large_model")
+    cfg = bench._config(bench._parse(["--layers", "2", "--d-model", "32", "--heads", "2", "--vocab", "256",
+                                      "--seq", "16"]))
+    model = bench.meta_model(cfg)
+    unique = dict(model.named_parameters()) | dict(model.named_buffers())  # the tied head once
+    # the checkpoint: every tensor once, fp32, written one at a time
+    ck = re.search(rf"^checkpoint: (\d+) tensors, ({NUM}) GiB of fp32 written to (\S+) in", out, re.M)
+    assert ck and int(ck.group(1)) == len(unique) and ck.group(3) == str(tmp_path / "model.safetensors"), out
+    assert (tmp_path / "model.safetensors").stat().st_size >= 4 * sum(t.numel() for t in unique.values())
+    # the oracle: pp=2 loaded from that file trains as eager PyTorch from autopar's plan-independent init
+    autopar.init_weights(model, seed=0)
+    idx, target = bench.batch(cfg, 4)
+    eager, _state = eager_reference(model, (idx,), target, gpt_loss, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                    num_microbatches=m, steps=steps)
+    run = re.search(rf"^pp=2 under the cap: {steps} steps in {NUM} s \(spawn, build, load, train\); losses ([\d., ]+);",
+                    out, re.M)
+    assert run, out
+    losses = [float(x) for x in run.group(1).split(", ")]
+    assert len(losses) == steps and all(abs(a - float(e)) <= 5e-5 + 1e-5 * abs(float(e)) for a, e in
+                                        zip(losses, eager)), (losses, [float(e) for e in eager])
+    # one row per pp rank, its stages in order; error = (predicted - (peak - warm)) / (peak - warm) as printed
+    rows = re.findall(rf"^\s+(\d)\s+(\d)\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})\s+([-+]{NUM})%", out, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("0", "0"), ("1", "1")], out
+    for _r, _s, pred, _cold, warm, peak, above, _err in rows:
+        assert _agrees(above, _diff_bounds(peak, warm)), rows
+    single = re.search(r"^one process under the cap \(\S+ s\): (completed|in \S+( \d+)?); ", out, re.M)
+    assert single, out
+    verdict = re.search(r"^one process under the cap: the planner finds no plan: (yes|NO); the real run stops with the "
+                        r"allocator's out-of-memory error: (yes|NO|skipped)$", out, re.M)
+    assert verdict, out
+    # neither refused at 8 GiB, and the lines say so
+    assert "UNEXPECTED: a one-process plan fits" in out and verdict.group(1) == "NO", out
+    assert single.group(1) == "completed" and verdict.group(2) == "NO", out
+    assert re.search(r"^L6 large model: FAIL; total \d+ s$", out, re.M), out

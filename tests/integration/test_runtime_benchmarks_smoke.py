@@ -1,35 +1,61 @@
-"""Smoke test of benchmarks/pp_vs_torch.py (R4) and benchmarks/schedule_speedup.py (R5) at tiny sizes.
+"""Smoke tests of benchmarks/pp_vs_torch.py (R4), schedule_speedup.py (R5) and zero_vs_fsdp2.py
+(X3) at tiny sizes.
 
-Each script runs as its own process (it spawns 2 gloo ranks itself) and must exit 0. Speed
+Each script's ``main`` runs in this process, its 2 ranks on the session's shared pool of gloo
+processes (``run_pooled``), and must return 0. Speed
 targets are never judged here (at these sizes overheads dominate, and a shared CI box is
 noisy); what is checked can fail for a real reason: R4's first-step losses of autopar and of
 torch.distributed.pipelining both equal the eager loss computed here; every median, ratio and
 disagreement printed is the one the printed step times and predictions give (to their
 rounding); a verdict matches its number; and R5's predicted makespans lie within bounds
-derived from first principles from the stage costs it printed.
+derived from first principles from the stage costs it printed; X3's first-step losses of
+autopar ZeRO-3 and of FSDP2 both equal the eager loss computed here.
 """
-import os
+import contextlib
+import importlib
+import io
 import re
 import statistics
-import subprocess
-import sys
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.slow
+# one xdist worker runs every benchmark smoke test with ranks, so they share one pool of gloo processes
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("benchmarks")]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM = r"\d+\.\d+"
 
 
-def _run(script: str, args: list[str], timeout: float = 80.0) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    return proc.stdout
+def run_pooled(script: str, args: list[str], deadline_s: float = 120.0) -> str:
+    """``benchmarks/<script>``'s ``main(args)`` in this process, its ranks on this session's shared
+    pool of gloo processes (``tests/dist/harness.run_shared``: started and imported once, not per
+    script) instead of freshly spawned ones; returns what it printed. It must return 0."""
+    from autopar.runtime import spawn
+    from tests.dist.harness import run_shared
+
+    mod = importlib.import_module("benchmarks." + script.removesuffix(".py"))  # a module the ranks can import
+
+    def pooled(fn, world, *a, timeout_s=None, deadline_s=deadline_s, expect_failure=False):
+        assert not expect_failure
+        return run_shared(fn, world, *a, deadline_s=min(deadline_s, limit), reuse=False)
+
+    limit, saved = deadline_s, (spawn.run_ranks, getattr(mod, "run_ranks", None))
+    spawn.run_ranks = pooled  # the scripts import it at the top or inside main
+    if saved[1] is not None:
+        mod.run_ranks = pooled
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = mod.main(args)
+    finally:
+        spawn.run_ranks = saved[0]
+        if saved[1] is not None:
+            mod.run_ranks = saved[1]
+    assert rc == 0, buf.getvalue()
+    return buf.getvalue()
+
+
+_run = run_pooled
 
 
 def _bounds(text: str) -> tuple[float, float]:
@@ -185,3 +211,38 @@ def test_schedule_speedup_runs():
             lo_d = 0.0 if qlo <= phi and plo <= qhi else min(d)
             assert _agrees(dis, (lo_d, max(d))), judged.group(0)
             assert _verdict_ok(dis, 15.0, verdict), judged.group(0)
+
+
+def test_zero_vs_fsdp2_runs():
+    rounds, steps = 2, 1
+    mk = dict(n_layer=2, d_model=32, n_head=2, seq_len=16, batch_size=4, vocab_size=256, seed=0)
+    out = _run("zero_vs_fsdp2.py", ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "4",
+                                    "--vocab", "256", "--rounds", str(rounds), "--steps", str(steps)])
+    from autopar.examples.gpt import make_gpt
+
+    model, (idx,), target, loss_fn = make_gpt(**mk)
+    n_params = sum(p.numel() for p in model.parameters())  # the tied embedding / head once
+    with torch.no_grad():
+        eager = float(loss_fn(model(idx), target))
+    # the oracle: both first-step losses are the eager loss of the global batch (autopar: one
+    # microbatch per replica, averaged over dp; fsdp2: the ranks' half-batch losses averaged)
+    first = re.search(rf"^first-step loss: autopar ({NUM})  fsdp2 ({NUM})$", out, re.M)
+    assert first, out
+    for name, loss in zip(("autopar", "fsdp2"), first.groups()):
+        assert abs(float(loss) - eager) <= 2e-5 * abs(eager), (name, loss, eager)
+    rows = dict((k, v) for k, *v in re.findall(rf"^(autopar|fsdp2)\s+({NUM})\s+({NUM})\s+({NUM})$", out, re.M))
+    assert set(rows) == {"autopar", "fsdp2"}, out
+    # each rank keeps its half of the fp32 parameters and of both AdamW states, at most a little more
+    # (autopar keeps the resident group whole; padding; AdamW's step counters): 6 to 6.6 bytes per parameter
+    for name, (_ms, state, _peak) in rows.items():
+        assert 6 * n_params / 1024 <= float(state) <= 6.6 * n_params / 1024, (name, state, n_params)
+    x3 = re.search(rf"^X3: autopar / fsdp2 step time = ({NUM}) \(target <= 1.0\): (PASS|FAIL); peak memory autopar / "
+                   rf"fsdp2 = ({NUM}); autopar issued (\d+) parameter all-gathers per rank in all$", out, re.M)
+    assert x3, out
+    ratio, verdict, peak_ratio, gathers = x3.groups()
+    assert _agrees(ratio, _div(_bounds(rows["autopar"][0]), _bounds(rows["fsdp2"][0]))), (x3.group(0), rows)
+    assert _agrees(peak_ratio, _div(_bounds(rows["autopar"][2]), _bounds(rows["fsdp2"][2]))), (x3.group(0), rows)
+    assert float(ratio) == 1.0 or verdict == ("PASS" if float(ratio) < 1.0 else "FAIL"), x3.group(0)
+    # the same all-gathers every step (first, warm-up, timed, probed), at least one per layer group
+    n_steps = 2 + rounds * steps + 1
+    assert int(gathers) % n_steps == 0 and int(gathers) // n_steps >= mk["n_layer"], (gathers, n_steps)
