@@ -12,12 +12,20 @@ so that it computes, for the rank's ``s`` positions, exactly what the full-seque
     ``_flash_attention``, ``_efficient_attention``, ``_cudnn_attention``,
     ``_fused_attention_overrideable``, ``_attention_math``).
   - An attention region written out by hand (Hugging Face "eager" attention, e.g. Gemma2's
-    soft-capped one): ``scores = q @ k^T`` (a 4-d ``matmul``), then element-wise ops (scale,
-    soft-cap ``tanh``, an additive or boolean mask, dtype casts), one ``softmax`` over the last
-    dim, element-wise ops (dropout, casts), and ``out = p @ v``. It is found from the softmax
-    (every softmax over ``[.., s, s]`` scores must belong to one), walking back to the score
-    matmul and forward to the value matmul; q, k^T and v are the two matmuls' operands, i.e. after
-    RoPE and after GQA's repeat of the k/v heads, and before the output projection.
+    soft-capped one, GPT-OSS's with sinks): ``scores = q @ k^T`` (a 4-d ``matmul``), then ops that
+    are per (batch, head, query) and element-wise along the keys except for reductions over the
+    keys that keep the dim (scale, soft-cap ``tanh``, an additive or boolean mask, dtype casts, the
+    row max subtracted: ``max``/``amax``/``logsumexp`` over dim -1, and once, extra logits
+    concatenated along the keys: ``cat([scores, sinks], -1)`` with ``sinks`` ``[B, H, s, k]``), one
+    ``softmax`` over the last dim, element-wise ops (dropout, casts, and the slice that drops the
+    extra logits' columns), and ``out = p @ v``. It is found from the softmax (every softmax over
+    ``[.., s, s]`` scores must belong to one; one over ``[.., s, s + k]`` does when a score matmul
+    leads to it), walking back through those ops (a DAG: the row max reads the scores twice) to
+    the score matmul and forward to the value matmul; q, k^T and v are the two matmuls' operands,
+    i.e. after RoPE and after GQA's repeat of the k/v heads, and before the output projection.
+    Extra logits computed from parameters (sinks: per-head parameters expanded over batch and
+    queries) go through the same all-to-all as q, so each rank gets those of its heads for all
+    queries; the drop-the-sinks slice is rewritten to the ``S`` score columns.
   Either becomes
       q, k, v  [B, H, s, D]  --all-to-all-->  [B, H/cp, S, D]   (sequence blocks in rank order)
       the same attention on the whole sequence (SDPA's ``is_causal`` keeps its meaning; a region's
@@ -40,6 +48,14 @@ so that it computes, for the rank's ``s`` positions, exactly what the full-seque
   add size-1 dims, ``index`` and element-wise ops: one arange used for both dims is copied for
   each), and every model input read by position replaced by its all-gather over the cp group
   (``all_gather_into_tensor``; a value read element-wise takes its block of the gathered input).
+  A tensor the mask reads by position (``index``: transformers' ``position_ids[b_idx, q_idx]``
+  with use_cache=False, remapping positions for packed sequences) is rebuilt over the whole
+  sequence instead of a block: an ``arange`` of ``s`` positions becomes ``arange(start, start + S)``,
+  a model input its all-gather, a buffer slice ``[start, start + S)``, sizes ``s`` in views/expands
+  along such dims become ``S``; so a ``cumsum``/``diff`` (the packed-sequence ids), a reduction
+  (chunked attention's left padding ``(mask.cumsum(-1) == 0).sum(-1)``) or a fixed window at the
+  start (``position_ids[:, :1]``) over it sees the whole sequence, as in the unsharded model (over a
+  query/key block they are refused).
   The blocks are concatenated into the ``[.., S, S]`` mask; a head dim of size H is narrowed to
   the rank's H/cp heads. All blocks keep the shapes the graph was traced with, so no size in the
   mask code needs to be understood. A mask that is statically ``kv <= q`` (the causal mask
@@ -80,7 +96,10 @@ not a region as above (3-d ``bmm`` attention, the probabilities used elsewhere, 
 the matmuls that is not element-wise), a mask that depends on a parameter or uses an op the
 rebuild does not follow (reductions, reshapes that merge dims, ...), a dropout mask passed to
 SDPA, positions or tables that cannot be rewritten (above), a group whose size or rank disagrees
-with ``cp`` / ``cp_rank``, and a second application.
+with ``cp`` / ``cp_rank``, and a second application. A region found from its score matmul that
+cannot be rewritten says "attention found at <where> (q @ k^T .., softmax ..), cannot rewrite
+because <why>" (a non-element-wise op between the scores and the softmax, a reduction over the
+queries, extra logits not dropped before ``p @ v``, ...), not "no attention".
 
 Dropout inside attention (``dropout_p > 0``) is kept; its random mask is drawn over the head
 shard, so it differs from a cp=1 run as any re-sharding does. Reference: DeepSpeed-Ulysses
@@ -127,6 +146,8 @@ _TABLE_CHAIN = {aten._to_copy.default, aten.clone.default, aten.alias.default, a
 _SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _MATMUL = {aten.matmul.default}
 _DROPOUT = {aten.dropout.default, aten.native_dropout.default}
+# reductions a region may take over the keys, keeping the dim (the row max subtracted before the softmax)
+_ROW_REDUCE = {aten.max.dim, aten.amax.default, aten.logsumexp.default}
 # element-wise (broadcasting) ops torch does not tag pointwise
 _ELEMENTWISE = {aten.__and__.Tensor, aten.__or__.Tensor, aten.__xor__.Tensor, aten.__and__.Scalar,
                 aten.__or__.Scalar, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar,
@@ -139,6 +160,15 @@ _SHAPE_ONLY = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.defa
 _FACTORY = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
             aten.scalar_tensor.default}
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# ops whose value ignores their tensor argument but whose shape follows it
+_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
+# reductions a mask may take over a whole dim (chunked attention's left padding: attention_mask.cumsum(-1) ... .sum(-1))
+_REDUCE = {aten.sum.dim_IntList, aten.sum.default, aten.any.dim, aten.any.dims, aten.any.default, aten.all.dim,
+           aten.all.dims, aten.all.default, aten.amax.default, aten.amin.default}
+# ops whose size-list argument (index 0 or 1) gives the output shape: resized along dims read whole
+_SIZED = {aten.expand.default: 1, aten.view.default: 1, aten._unsafe_view.default: 1, aten.reshape.default: 1,
+          aten.new_ones.default: 1, aten.new_zeros.default: 1, aten.new_full.default: 1, aten.new_empty.default: 1,
+          aten.zeros.default: 0, aten.ones.default: 0, aten.full.default: 0, aten.empty.memory_format: 0}
 _ASSERT = aten._assert_tensor_metadata.default
 _Q, _KV, _ABS = "q", "kv", "abs"  # mask dim roles: query position, key position, absolute index into a sequence
 
@@ -260,8 +290,10 @@ class _Attention:
     k: fx.Node                   # region: k^T, [B, H, D, s]
     v: fx.Node
     heads: int                   # query heads (a mask's head dim of this size is narrowed)
-    masks: list                  # (consumer node, arg name or index, _Mask | None for a head-only tensor)
+    masks: list                  # (consumer node, arg name or loc (_get_loc), _Mask | None for a head-only tensor)
     region: list = field(default_factory=list)  # region: score matmul .. p @ v matmul, in graph order
+    sides: list = field(default_factory=list)   # region: (cat node, loc) of per-head extra logits [B, H, s, k]
+    slices: list = field(default_factory=list)  # region: (slice node, offset) dropping the extra logits' columns
 
 
 @dataclass
@@ -315,9 +347,12 @@ def _analyze(captured: CapturedGraph, cp: int, s: int, full: int) -> _Plan:
             attentions.append(att)
         elif node.target in _SOFTMAX:
             val = node.meta["val"]
-            if val.dim() >= 3 and val.shape[-1] == s and val.shape[-2] == s:
-                att = _find_region(node, cp, s, dep)
-                att.masks = [(c, i, mask_of(c.args[i], c, att.heads)) for c, i in att.masks]
+            square = val.dim() >= 3 and val.shape[-1] == s and val.shape[-2] == s
+            if square or (val.dim() == 4 and val.shape[-2] == s and val.shape[-1] > s):  # [.., s, s + k]: sinks?
+                att = _find_region(node, cp, s, dep, square=square)
+                if att is None:
+                    continue
+                att.masks = [(c, i, mask_of(_get_loc(c, i), c, att.heads)) for c, i in att.masks]
                 attentions.append(att)
     if not attentions:
         raise ValueError(f"autopar: cp={cp}, but the graph has no attention (no scaled_dot_product_attention, no "
@@ -403,93 +438,223 @@ def _check_qkv(node, what: str, q, k, v, cp: int, s: int, k_transposed: bool = F
                            f"every head count (Ulysses gives each cp rank H/cp heads): {fix}")
 
 
-def _find_region(softmax: fx.Node, cp: int, s: int, dep: set) -> _Attention:
-    """The hand-written attention around `softmax`: score matmul .. softmax .. value matmul."""
-    what = f"the softmax {_where(softmax)} over [.., {s}, {s}] attention scores"
+def _region_op(node: fx.Node) -> bool:
+    """Ops a region may hold between the score matmul and the value matmul (checked further there)."""
+    t = node.target
+    if node.op != "call_function":
+        return False
+    if t is operator.getitem:
+        return getattr(node.args[0], "target", None) in (aten.max.dim, aten.native_dropout.default)
+    return _elementwise(t) or t in _DROPOUT or t in _ROW_REDUCE or t is aten.cat.default
+
+
+def _score_search(softmax: fx.Node, s: int, dep: set):
+    """Walk back from the softmax through region ops and activations: (score matmuls [.., s, s]
+    reached, nodes passed, the nearest activation op that stopped the walk)."""
+    seen, queue, matmuls, blocked = set(), [softmax.args[0]], [], None
+    while queue:
+        n = queue.pop(0)
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if n.target in _MATMUL and isinstance(val, torch.Tensor) and val.dim() == 4 and tuple(val.shape[-2:]) == (s, s):
+            matmuls.append(n)
+        elif _region_op(n):
+            queue.extend(a for a in n.all_input_nodes if a in dep)
+        elif blocked is None and n in dep:
+            blocked = n
+    return matmuls, seen, blocked
+
+
+def _hidden_scores(node: fx.Node, s: int, dep: set, limit: int = 32) -> fx.Node | None:
+    """A 4-d score matmul [.., s, s] behind `node` through any ops on per-(batch, head, query)
+    values ([B, H, s, *]), or None (a bounded search: the attention of an earlier layer lies behind
+    [B, s, hidden] activations, which stop it)."""
+    seen, queue = set(), [node]
+    while queue and len(seen) < limit:
+        n = queue.pop(0)
+        if n in seen:
+            continue
+        seen.add(n)
+        val = n.meta.get("val")
+        if not (isinstance(val, torch.Tensor) and val.dim() == 4 and val.shape[-2] == s):
+            continue
+        if n.target in _MATMUL and val.shape[-1] == s:
+            return n
+        queue.extend(a for a in n.all_input_nodes if a in dep)
+    return None
+
+
+def _find_region(softmax: fx.Node, cp: int, s: int, dep: set, square: bool = True) -> _Attention | None:
+    """The hand-written attention around `softmax`: score matmul .. softmax .. value matmul.
+    ``square=False``: a softmax over [.., s, s + k] (extra logits, e.g. sinks); None if no score
+    matmul leads to it (not attention)."""
+    what = f"the softmax {_where(softmax)} over [.., {s}, {softmax.meta['val'].shape[-1]}] attention scores"
+    nd = softmax.meta["val"].dim()
     dim = softmax.args[1] if len(softmax.args) > 1 else -1
-    if dim % softmax.meta["val"].dim() != softmax.meta["val"].dim() - 1:
+    matmuls, seen, blocked = _score_search(softmax, s, dep)
+    if not matmuls and not square:
+        hidden = _hidden_scores(blocked, s, dep) if blocked is not None else None
+        if hidden is None:
+            return None  # not attention (no [.., s, s] score matmul nearby)
+        raise _error(blocked, f"attention found at {_where(hidden)} (q @ k^T {hidden.name}, softmax {softmax.name}), "
+                              f"cannot rewrite because between the scores and the softmax there is {blocked.name} "
+                              f"({_op_name(blocked)}), which is not element-wise (context parallelism reruns "
+                              "element-wise ops, reductions over the keys and concatenated extra logits on the "
+                              "whole-sequence scores). Use cp=1")
+    if dim % nd != nd - 1:
         raise _error(softmax, f"{what} normalizes over dim {dim}, not the keys (the last dim)")
-    if softmax.meta["val"].dim() != 4:
-        raise _error(softmax, f"{what} is over {softmax.meta['val'].dim()}-d scores; context parallelism rewrites "
+    if nd != 4:
+        raise _error(softmax, f"{what} is over {nd}-d scores; context parallelism rewrites "
                               "attention over [batch, heads, seq, seq] scores (4-d matmuls or SDPA), not a bmm over "
                               "merged batch and heads. Keep the head dim (q @ k.transpose(-2, -1)) or use "
                               "F.scaled_dot_product_attention, or cp=1")
-    chain, masks = [softmax], []
-    cur = softmax.args[0]
-    while cur.target not in _MATMUL:
-        if cur.op != "call_function" or not (_elementwise(cur.target) or cur.target in _DROPOUT):
-            raise _error(cur, f"{what}: between it and the score matmul q @ k^T there is {cur.name} "
-                              f"({_op_name(cur)}), which is not element-wise; context parallelism reruns only "
-                              "element-wise ops (scale, soft-cap, mask, casts) on the whole-sequence scores. Use cp=1")
-        _single_user(cur, what)
-        acts = [i for i, a in enumerate(cur.args) if isinstance(a, fx.Node) and a in dep]
-        if len(acts) > 1:  # the scores have the result's shape; a broadcast operand is a learned bias
-            full = [i for i in acts if tuple(cur.args[i].meta["val"].shape) == tuple(cur.meta["val"].shape)]
-            if len(full) == 1:
-                bias = [cur.args[i].name for i in acts if i != full[0]]
-                raise _error(cur, f"{what}: {cur.name} adds {', '.join(bias)}, which depends on a parameter (a learned "
-                                  "bias); context parallelism rebuilds masks from positions, buffers and model inputs "
-                                  "only. Use cp=1")
-        if len(acts) != 1:
-            raise _error(cur, f"{what}: {cur.name} ({_op_name(cur)}) combines {len(acts)} activations; expected the "
-                              "scores and masks/constants only")
-        for i, a in enumerate(cur.args):
-            if isinstance(a, fx.Node) and i != acts[0] and isinstance(a.meta.get("val"), torch.Tensor):
-                masks.append((cur, i))
-        if any(isinstance(a, fx.Node) for a in cur.kwargs.values()):
-            raise _error(cur, f"{what}: {cur.name} takes a tensor keyword argument")
-        chain.append(cur)
-        cur = cur.args[acts[0]]
-    scores = cur
-    _single_user(scores, what)
-    chain.append(scores)
-    chain.reverse()
-    cur = softmax
+    if not matmuls:
+        if blocked is None:
+            raise _error(softmax, f"{what}: no score matmul q @ k^T leads to it. Use cp=1")
+        raise _error(blocked, f"{what}: between it and the score matmul q @ k^T there is {blocked.name} "
+                              f"({_op_name(blocked)}), which is not element-wise; context parallelism reruns only "
+                              "element-wise ops (scale, soft-cap, mask, casts, sink logits) on the whole-sequence "
+                              "scores. Use cp=1")
+    scores = matmuls[0]
+    where = f"attention found at {_where(scores)} (q @ k^T {scores.name}, softmax {softmax.name})"
+
+    def refuse(node: fx.Node, why: str) -> ValueError:
+        return _error(node, f"{where}, cannot rewrite because {why}")
+
+    if len(matmuls) > 1:
+        raise refuse(softmax, f"its scores combine {len(matmuls)} matmuls ({', '.join(m.name for m in matmuls)})")
+    region, cur = [scores], scores.next
+    members = {scores}
+    while cur is not softmax:
+        if cur in seen and _region_op(cur) and any(a in members for a in cur.all_input_nodes):
+            region.append(cur)
+            members.add(cur)
+        cur = cur.next
+    if softmax.args[0] not in members:
+        raise refuse(softmax, f"the softmax input {softmax.args[0].name} is not computed from the scores")
+    masks, sides, width, offset = [], [], s, 0
+    for node in region:
+        users = [u for u in node.users if u.target is not _ASSERT and u not in members and u is not softmax]
+        if users:
+            raise refuse(node, f"the scores {node.name} are also used by {', '.join(u.name for u in users)}; context "
+                               "parallelism needs the region between the matmuls to be used by the attention only, "
+                               "through element-wise ops, reductions over the keys and concatenated extra logits")
+        if node is scores:
+            continue
+        if any(isinstance(a, fx.Node) for a in node.kwargs.values()):
+            raise refuse(node, f"{node.name} takes a tensor keyword argument")
+        val = node.meta["val"]
+        t = node.target
+        if t is operator.getitem:
+            if node.args[1] != 0:
+                raise refuse(node, f"{node.name} uses output {node.args[1]} of {node.args[0].name}")
+            continue
+        if t in _ROW_REDUCE:
+            d = _arg(node, "dim")
+            d = list(d) if isinstance(d, (list, tuple)) else [d]
+            if [x % 4 for x in d] != [3] or not _arg(node, "keepdim"):
+                raise refuse(node, f"{node.name} ({_op_name(node)}) reduces over dims {d} (keepdim="
+                                   f"{_arg(node, 'keepdim')}); a region may reduce only over the keys, keeping the dim")
+            continue
+        if t is aten.cat.default:
+            pieces = node.args[0]
+            if (node.args[1] if len(node.args) > 1 else 0) % 4 != 3:
+                raise refuse(node, f"{node.name} concatenates along dim {node.args[1] if len(node.args) > 1 else 0}, "
+                                   "not the keys (the last dim)")
+            inside = [j for j, p in enumerate(pieces) if p in members]
+            if len(inside) != 1 or width != s:
+                raise refuse(node, f"{node.name} concatenates {len(inside)} pieces of the scores, or the scores are "
+                                   "concatenated twice; a region may add extra logits (sinks) once")
+            offset = sum(p.meta["val"].shape[-1] for p in pieces[:inside[0]])
+            width = val.shape[-1]
+            for j, p in enumerate(pieces):
+                if j == inside[0]:
+                    continue
+                shape, want = tuple(p.meta["val"].shape), tuple(val.shape[:3])
+                if shape[:3] != want:
+                    raise refuse(node, f"{node.name} concatenates {p.name} of shape {shape} to the scores; extra "
+                                       f"logits must be [batch, heads, queries, k] = [{', '.join(map(str, want))}, k]")
+                (sides if p in dep else masks).append((node, (0, j)))
+            continue
+        for i, a in enumerate(node.args):
+            if not isinstance(a, fx.Node) or a in members or not isinstance(a.meta.get("val"), torch.Tensor):
+                continue
+            if a in dep:
+                raise refuse(node, f"{node.name} ({_op_name(node)}) combines the scores with {a.name}, which depends "
+                                   "on a parameter (a learned bias); context parallelism rebuilds masks from "
+                                   "positions, buffers and model inputs only (per-head extra logits may be "
+                                   "concatenated along the keys, as sinks are). Use cp=1")
+            masks.append((node, i))
+    region.append(softmax)
+    cur, slices = softmax, []
     while True:
         users = [u for u in cur.users if u.target is not _ASSERT]
         if len(users) != 1:
-            raise _error(cur, f"{what}: the attention probabilities {cur.name} are used by "
+            raise refuse(cur, f"the attention probabilities {cur.name} are used by "
                               f"{', '.join(u.name for u in users) or 'nothing'}; context parallelism needs them to "
-                              "feed one p @ v matmul (returning attention weights is not supported). Use cp=1")
+                              "feed one p @ v matmul (returning attention weights is not supported)")
         (user,) = users
         if user.target in _MATMUL:
             if user.args[0] is not cur:
-                raise _error(user, f"{what}: the probabilities are the right operand of {user.name}")
+                raise refuse(user, f"the probabilities are the right operand of {user.name}")
             pv = user
             break
-        if not (_elementwise(user.target) or user.target in _DROPOUT or (
+        if user.target is aten.slice.Tensor and width != s:  # drop the extra logits' columns
+            d = _arg(user, "dim") % 4
+            if d != 3 or _slice_start(user) != offset or user.meta["val"].shape[-1] != s or _arg(user, "step") != 1:
+                raise refuse(user, f"{user.name} slices the probabilities other than to the score columns "
+                                   f"{offset}..{offset + s}")
+            slices.append((user, offset))
+            width = s
+        elif not (_elementwise(user.target) or user.target in _DROPOUT or (
                 user.target is operator.getitem and cur.target is aten.native_dropout.default and user.args[1] == 0)):
-            raise _error(user, f"{what}: after it comes {user.name} ({_op_name(user)}), not element-wise and not the "
-                               "p @ v matmul. Use cp=1")
+            raise refuse(user, f"after the softmax comes {user.name} ({_op_name(user)}), not element-wise and not "
+                               "the p @ v matmul")
         if any(isinstance(a, fx.Node) and a is not cur and a in dep for a in user.args):
-            raise _error(user, f"{what}: {user.name} combines the probabilities with another activation")
+            raise refuse(user, f"{user.name} combines the probabilities with another activation")
         for i, a in enumerate(user.args):
             if isinstance(a, fx.Node) and a is not cur and isinstance(a.meta.get("val"), torch.Tensor):
                 masks.append((user, i))
-        chain.append(user)
+        region.append(user)
         cur = user
-    chain.append(pv)
+    if width != s:
+        raise refuse(pv, f"the probabilities reach {pv.name} with the {width - s} extra columns still in")
+    region.append(pv)
     q, kt, v = scores.args[0], scores.args[1], pv.args[1]
     for x in (q, kt, v):
         if not isinstance(x, fx.Node):
-            raise _error(scores, f"{what}: a matmul operand is not a tensor")
+            raise refuse(scores, "a matmul operand is not a tensor")
     qv, kv_, vv = q.meta["val"], kt.meta["val"], v.meta["val"]
-    where = f"attention {_where(pv)} (q @ k^T {scores.name}, softmax {softmax.name}, p @ v {pv.name})"
-    _check_qkv(scores, where, qv, kv_, vv, cp, s, k_transposed=True)
+    _check_qkv(scores, f"{where}, cannot rewrite because it", qv, kv_, vv, cp, s, k_transposed=True)
     if not (qv.shape[1] == kv_.shape[1] == vv.shape[1]):
-        raise _error(scores, f"{where} broadcasts {kv_.shape[1]}/{vv.shape[1]} key/value heads over {qv.shape[1]} "
+        raise refuse(scores, f"it broadcasts {kv_.shape[1]}/{vv.shape[1]} key/value heads over {qv.shape[1]} "
                              "query heads; repeat the k/v heads before the matmul, or use cp=1")
     if qv.shape[0] != kv_.shape[0] or qv.shape[0] != vv.shape[0]:
-        raise _error(scores, f"{where} broadcasts over the batch dim")
-    return _Attention("region", pv, q, kt, v, int(qv.shape[1]), masks, chain)
+        raise refuse(scores, "it broadcasts over the batch dim")
+    for node, loc in sides:
+        heads = _get_loc(node, loc).meta["val"].shape[1]
+        if heads != qv.shape[1]:
+            raise refuse(node, f"the extra logits {_get_loc(node, loc).name} have {heads} heads against "
+                               f"{qv.shape[1]} query heads")
+    return _Attention("region", pv, q, kt, v, int(qv.shape[1]), masks, region, sides, slices)
 
 
-def _single_user(node: fx.Node, what: str) -> None:
-    users = [u for u in node.users if u.target is not _ASSERT]
-    if len(users) != 1:
-        raise _error(node, f"{what}: the scores {node.name} are also used by {', '.join(u.name for u in users)}; "
-                           "context parallelism needs the region between the matmuls to be used by the attention "
-                           "only. Use cp=1")
+def _get_loc(node: fx.Node, loc):
+    """The argument of `node` at `loc`: an index into args, or (index, j) into a list argument."""
+    return node.args[loc[0]][loc[1]] if isinstance(loc, tuple) else node.args[loc]
+
+
+def _set_loc(node: fx.Node, loc, value) -> None:
+    args = list(node.args)
+    if isinstance(loc, tuple):
+        inner = list(args[loc[0]])
+        inner[loc[1]] = value
+        args[loc[0]] = inner
+    else:
+        args[loc] = value
+    node.args = tuple(args)
 
 
 class _MaskRoles:
@@ -509,7 +674,7 @@ class _MaskRoles:
         val = out.meta["val"]
         roles = _root_roles(val, self.s)
         uses = self.roles(out, roles)
-        return _Mask(out, roles, uses, val.dtype == torch.bool and _causal(out, roles))
+        return _Mask(out, roles, uses, val.dtype == torch.bool and _causal(out, roles, self.s))
 
     def roles(self, node: fx.Node, r) -> frozenset:
         key = (node, r)
@@ -533,7 +698,7 @@ class _MaskRoles:
             return self._arange(node, r)
         if t is aten.slice.Tensor and r is not None and _table_slice(node, self.state, self.s):
             d = _arg(node, "dim") % val.dim()
-            if r[d] not in (_Q, _KV):
+            if r[d] is None:
                 raise _error(node, f"the table slice {node.name} of {self.s} positions lands on a mask dim that is "
                                    "neither the queries nor the keys")
             src_len = node.args[0].meta["val"].shape[d]
@@ -544,7 +709,7 @@ class _MaskRoles:
                                    f"Make the table at least {start + self.full} long or use cp=1")
             return frozenset({r[d]}) | self.roles(node.args[0], r[:d] + (None,) + r[d + 1:])
         uses = set()
-        for x, rx in _inputs_of(node, r):
+        for x, rx in _inputs_of(node, r, self.s):
             uses |= self.roles(x, rx)
         return frozenset(uses)
 
@@ -575,11 +740,16 @@ class _MaskRoles:
         role = r[0] if r else None
         if role is None:
             return frozenset()
-        if role == _ABS:
-            raise _error(node, f"the mask indexes by the values of {node.name} (an arange); the rebuild cannot "
-                               "follow it. Use cp=1")
         start = _arg(node, "start") if _has_arg(node, "start") else 0
         step = _arg(node, "step") if _has_arg(node, "step") else 1
+        if role == _ABS:  # the mask reads a tensor of positions (position_ids, cache_position) by position
+            if node.meta["val"].numel() != self.s:
+                return frozenset()  # not along the sequence (the batch arange of index(x, [b_idx, q_idx]))
+            if step != 1 or start != int(start):
+                raise _error(node, f"the mask reads the values of {node.name} = arange({start}, step={step}) of "
+                                   f"{self.s} values by position; the rebuild extends consecutive integer positions "
+                                   "to the whole sequence only. Use cp=1")
+            return frozenset({_ABS})
         if step != 1 or node.meta["val"].numel() != self.s or start != int(start):
             raise _error(node, f"{node.name} gives the mask's {'query' if role == _Q else 'key'} positions but is "
                                f"arange({start}, step={step}) of {node.meta['val'].numel()} values, not {self.s} "
@@ -587,9 +757,11 @@ class _MaskRoles:
         return frozenset({role})
 
 
-def _inputs_of(node: fx.Node, r) -> list:
+def _inputs_of(node: fx.Node, r, s: int | None = None) -> list:
     """[(input node, its roles)] of a mask op whose output dims have roles `r` (None: only the
-    dtype/device of the value matters). Raises for ops the rebuild does not follow."""
+    dtype/device of the value matters). Raises for ops the rebuild does not follow. ``s``: the
+    shard length (a dim of that length read whole, by a reduction, cumsum or a fixed window, is
+    the sequence: its input is taken over the whole sequence, role _ABS)."""
     t, val = node.target, node.meta["val"]
     tensors = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
     if r is None:
@@ -598,14 +770,49 @@ def _inputs_of(node: fx.Node, r) -> list:
         return []
     if t in _SHAPE_ONLY:
         return [(node.args[0], None)]
+    if t in _LIKE:  # the value ignores the input, but the shape follows it
+        return [(node.args[0], r)]
     if t is aten.slice.Tensor:
         x = node.args[0]
         d = _arg(node, "dim") % val.dim()
-        if _slice_start(node) == 0 and (_arg(node, "end") is None or _arg(node, "end") >= x.meta["val"].shape[d]) \
-                and _arg(node, "step") == 1:
+        start, end, n = _arg(node, "start"), _arg(node, "end"), x.meta["val"].shape[d]
+        if _slice_start(node) == 0 and (end is None or end >= n) and _arg(node, "step") == 1:
             return [(x, r)]
+        if r[d] is None and n == s and (start or 0) >= 0 and end is not None and 0 <= end < n:
+            # a fixed window at the start of the sequence (position_ids[:, :1]): the same window of the whole
+            return [(x, r[:d] + (_ABS,) + r[d + 1:])]
         raise _error(node, f"the mask slices {node.name} along dim {d} ({_op_name(node)}); the rebuild follows "
-                           "no-op slices and slices of buffers by the sequence length only. Use cp=1")
+                           "no-op slices, windows at the start of the sequence and slices of buffers by the "
+                           "sequence length only. Use cp=1")
+    if t in (aten.cumsum.default, aten.diff.default):  # along one dim: the whole sequence or not the sequence
+        d = _arg(node, "dim") % val.dim()
+        if r[d] != _ABS and (r[d] is not None or val.shape[d] == s):
+            raise _error(node, f"the attention mask is computed with {node.name} ({_op_name(node)}) along its "
+                               f"{'query' if r[d] == _Q else 'key' if r[d] == _KV else 'sequence'} positions; the "
+                               "rebuild computes masks block by block and follows such scans only over a sequence "
+                               "tensor read by position (position_ids[b_idx, q_idx]). Use cp=1")
+        out = [(node.args[0], r)]
+        for name in ("prepend", "append"):
+            if t is aten.diff.default and isinstance(_arg(node, name), fx.Node):
+                out.append((_arg(node, name), r[:d] + (None,) + r[d + 1:]))
+        return out
+    if t in _REDUCE:  # over a dim read whole: over the whole sequence when it is the sequence
+        x = node.args[0]
+        xs = x.meta["val"].shape
+        dims = _arg(node, "dim") if _has_arg(node, "dim") else None
+        dims = range(len(xs)) if dims is None or dims == [] else [dims] if isinstance(dims, int) else dims
+        gone = {d % len(xs) for d in dims}
+        keep = bool(_arg(node, "keepdim")) if _has_arg(node, "keepdim") else False
+        it = iter(r)
+        rx = []
+        for d in range(len(xs)):
+            if d in gone:
+                if keep:
+                    next(it)
+                rx.append(_ABS if xs[d] == s else None)
+            else:
+                rx.append(next(it))
+        return [(x, tuple(rx))]
     if t is aten.unsqueeze.default:
         d = node.args[1] % val.dim()
         return [(node.args[0], r[:d] + r[d + 1:])]
@@ -660,7 +867,8 @@ def _inputs_of(node: fx.Node, r) -> list:
         return [(a, _broadcast_roles(a, val, r)) for a in tensors]
     raise _error(node, f"the attention mask is computed with {node.name} ({_op_name(node)}), which the mask "
                        "rebuild does not follow (it follows element-wise ops, broadcasts, unsqueeze/expand, size-1 "
-                       "views, permutes, index by positions and slices of buffers). Use cp=1")
+                       "views, permutes, index by positions, slices of buffers, and reductions/cumsum/diff over a "
+                       "sequence read by position). Use cp=1")
 
 
 def _root_roles(val: torch.Tensor, s: int) -> tuple:
@@ -697,7 +905,7 @@ def _slice_start(node: fx.Node) -> int:
     return start
 
 
-def _causal(out: fx.Node, roles: tuple) -> bool:
+def _causal(out: fx.Node, roles: tuple, s: int) -> bool:
     """True if `out` is statically the causal mask: kv_position - q_position <= 0 everywhere."""
     def ev(node, r):
         if not isinstance(node, fx.Node):
@@ -713,16 +921,16 @@ def _causal(out: fx.Node, roles: tuple) -> bool:
             return ("true",)
         if t in (aten.add.Tensor, aten.sub.Tensor) and not isinstance(node.args[1], fx.Node) and (
                 len(node.args) < 3 and node.kwargs.get("alpha", 1) == 1):
-            x = ev(node.args[0], _in_roles(node, r, 0))
+            x = ev(node.args[0], _in_roles(node, r, 0, s))
             c = node.args[1] if t is aten.add.Tensor else -node.args[1]
             return ("idx", x[1], x[2] + c) if x and x[0] == "idx" else None
         if t in (aten.unsqueeze.default, aten.expand.default, aten.clone.default, aten.alias.default,
                  aten.detach.default) or t in _VIEWS:
-            return ev(node.args[0], _in_roles(node, r, 0))
+            return ev(node.args[0], _in_roles(node, r, 0, s))
         if t is aten._to_copy.default and _kw_dtype(node) in (None, torch.bool, torch.int64, torch.int32):
-            return ev(node.args[0], _in_roles(node, r, 0))
+            return ev(node.args[0], _in_roles(node, r, 0, s))
         if t in (aten.le.Tensor, aten.lt.Tensor, aten.ge.Tensor, aten.gt.Tensor):
-            a, b = (ev(node.args[i], _in_roles(node, r, i)) for i in (0, 1))
+            a, b = (ev(node.args[i], _in_roles(node, r, i, s)) for i in (0, 1))
             if not (a and b and a[0] == b[0] == "idx"):
                 return None
             if t in (aten.ge.Tensor, aten.gt.Tensor):
@@ -734,7 +942,7 @@ def _causal(out: fx.Node, roles: tuple) -> bool:
                 return ("pred", a[2] - b[2] + (1 if strict else 0), math.inf)
             return None
         if t in (aten.__and__.Tensor, aten.logical_and.default, aten.bitwise_and.Tensor):
-            a, b = (ev(node.args[i], _in_roles(node, r, i)) for i in (0, 1))
+            a, b = (ev(node.args[i], _in_roles(node, r, i, s)) for i in (0, 1))
             if a == ("true",):
                 return b
             if b == ("true",):
@@ -751,9 +959,9 @@ def _causal(out: fx.Node, roles: tuple) -> bool:
     return v == ("pred", -math.inf, 0)
 
 
-def _in_roles(node: fx.Node, r, i: int):
+def _in_roles(node: fx.Node, r, i: int, s: int):
     x = node.args[i]
-    for a, ra in _inputs_of(node, r):
+    for a, ra in _inputs_of(node, r, s):
         if a is x:
             return ra
     return None
@@ -969,9 +1177,12 @@ class _Rewriter:
         scores.args = (q, k) + tuple(scores.args[2:])
         for consumer, i, mask in att.masks:
             with g.inserting_before(consumer):
-                args = list(consumer.args)
-                args[i] = self.side(args[i], mask, att.heads, consumer)
-                consumer.args = tuple(args)
+                _set_loc(consumer, i, self.side(_get_loc(consumer, i), mask, att.heads, consumer))
+        for consumer, i in att.sides:  # per-head extra logits of the local queries: to the rank's heads, all queries
+            with g.inserting_before(consumer):
+                _set_loc(consumer, i, _seq_to_heads(g, _get_loc(consumer, i), cp, self.group, consumer))
+        for node, offset in att.slices:
+            node.args = (node.args[0], _arg(node, "dim"), offset, offset + cp * self.s, 1)
         with g.inserting_before(pv):
             v = _seq_to_heads(g, att.v, cp, self.group, pv)
         pv.args = (pv.args[0], v) + tuple(pv.args[2:])
@@ -1038,25 +1249,39 @@ class _Rewriter:
                 out = full if r[1] == _ABS else _new(g, aten.narrow.default, (full, 1, block[r[1]] * s, s), node)
         elif node.target in _ARANGE:
             role = r[0] if r else None
+            start = _arg(node, "start") if _has_arg(node, "start") else 0
+            kwargs = dict(node.kwargs)
+            kwargs["dtype"] = node.meta["val"].dtype
             if role in (_Q, _KV):
-                start = (_arg(node, "start") if _has_arg(node, "start") else 0) + block[role] * s
-                kwargs = dict(node.kwargs)
-                kwargs["dtype"] = node.meta["val"].dtype
-                out = _new(g, aten.arange.start, (start, start + s), node, kwargs)
+                out = _new(g, aten.arange.start, (start + block[role] * s, start + (block[role] + 1) * s), node,
+                           kwargs)
+            elif role == _ABS and uses:  # positions read by position: those of the whole sequence
+                out = _new(g, aten.arange.start, (start, start + self.cp * s), node, kwargs)
             else:
                 out = _new(g, node.target, node.args, node, dict(node.kwargs))
         else:
             if node.target is aten.slice.Tensor and r is not None and _table_slice(node, self.plan.state, s):
                 d = _arg(node, "dim") % node.meta["val"].dim()
                 x = self.build(node.args[0], r[:d] + (None,) + r[d + 1:], a, b)
-                start = _slice_start(node) + block[r[d]] * s
-                out = _new(g, aten.slice.Tensor, (x, d, start, start + s, 1), node)
+                start = _slice_start(node) + (0 if r[d] == _ABS else block[r[d]] * s)
+                n = self.cp * s if r[d] == _ABS else s
+                out = _new(g, aten.slice.Tensor, (x, d, start, start + n, 1), node)
             else:
                 ins = {}
-                for x, rx in _inputs_of(node, r):
+                for x, rx in _inputs_of(node, r, s):
                     ins.setdefault(x, self.build(x, rx, a, b))
-                args = fx.node.map_arg(node.args, lambda x: ins.get(x, x))
+                args = list(fx.node.map_arg(node.args, lambda x: ins.get(x, x)))
                 kwargs = fx.node.map_arg(node.kwargs, lambda x: ins.get(x, x))
+                if r is not None and _ABS in r:  # dims read whole that are the sequence: sizes s -> S
+                    whole = [d for d, x in enumerate(r) if x == _ABS and node.meta["val"].shape[d] == s]
+                    if node.target in _SIZED and whole:
+                        i = _SIZED[node.target]
+                        size = list(args[i])
+                        for d in whole:
+                            size[d] = self.cp * s if size[d] == s else size[d]
+                        args[i] = size
+                    elif node.target is aten.slice.Tensor and (_arg(node, "dim") % len(r)) in whole:
+                        args = [args[0], _arg(node, "dim"), 0, None, 1]  # a no-op slice stays one
                 out = _new(g, node.target, tuple(args), node, dict(kwargs))
         self.built[key] = out
         return out

@@ -6,7 +6,8 @@ download, no weights from a hub): the architectures autopar is tested on, per ax
 (SDPA, or eager for Gemma2's soft-capped attention), fp32, dropout off, and a batch of token
 ids; ``loss_fn`` is next-token cross entropy on the logits (``hf_lm_loss``), or the masked
 token loss for the encoder. ``HF_NAMES`` lists the cases; ``HF_DECODERS`` the causal LMs with
-RoPE (the CP cases); ``HF_MOE`` the mixture-of-experts ones (the EP cases).
+RoPE (the CP cases); ``HF_MOE`` the mixture-of-experts ones (the EP cases); ``HF_SINKS`` eager
+attention with learned per-head sink logits (GPT-OSS, eager; also MoE), not in ``HF_NAMES``.
 """
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ VOCAB = 128
 HF_DECODERS = ("llama", "qwen2", "mistral", "gemma2")
 HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 HF_NAMES = ("gpt2",) + HF_DECODERS + HF_MOE + ("bert",)
+HF_SEQ2SEQ = ("t5",)  # encoder-decoder: batches from seq2seq_batch, not in HF_NAMES
+HF_SINKS = ("gpt_oss",)  # eager attention with learned per-head sink logits (also MoE, alternating sliding windows)
 
 
 def _common(**kw) -> dict:
@@ -54,10 +57,17 @@ def _config(name: str):
             n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, n_group=2,
             topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4,
             qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4, routed_scaling_factor=2.5))
+    if name == "gpt_oss":
+        return tf.GptOssConfig(**_common(intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                         sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
     if name == "bert":
         return tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
                              attention_probs_dropout_prob=0.0)
+    if name == "t5":  # relative position bias (a learned SDPA mask), cross-attention
+        return tf.T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                           num_heads=4, dropout_rate=0.0, relative_attention_num_buckets=8,
+                           decoder_start_token_id=0, pad_token_id=0)
     raise KeyError(name)
 
 
@@ -75,9 +85,11 @@ def build_hf(name: str, seed: int = 0, use_cache: bool = True):
 
     cfg = _config(name)
     cfg.use_cache = use_cache
-    cfg.attn_implementation = "eager" if name == "gemma2" else "sdpa"
+    cfg.attn_implementation = "eager" if name in ("gemma2", "gpt_oss") else "sdpa"
     torch.manual_seed(seed)
     cls = tf.BertForMaskedLM if name == "bert" else tf.AutoModelForCausalLM
+    if name in HF_SEQ2SEQ:
+        cls = tf.AutoModelForSeq2SeqLM
     model = cls(cfg) if name == "bert" else cls.from_config(cfg)
     model.train()
     return model
@@ -89,3 +101,14 @@ def make_hf(name: str, seed: int = 0, batch: int = 8, seq: int = 16, use_cache: 
     ids = torch.randint(0, VOCAB, (batch, seq), generator=g)
     target = torch.randint(0, VOCAB, (batch, seq), generator=g)
     return ModelCase(name=f"hf_{name}", model=model, inputs=(ids,), target=target, loss_fn=hf_lm_loss)
+
+
+def seq2seq_batch(case: ModelCase) -> dict:
+    """An encoder-decoder batch of a make_hf case: the tokens as ``input_ids`` (every other row
+    left-padded by ``attention_mask``), its target as ``labels`` (the model's own loss) and,
+    shifted right behind the decoder start token 0, as ``decoder_input_ids``."""
+    ids, labels = case.inputs[0], case.target
+    mask = torch.ones_like(ids)
+    mask[::2, :3] = 0
+    decoder_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+    return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids, "labels": labels}

@@ -1,15 +1,19 @@
 """H2 / H6: Ulysses context parallelism on Hugging Face decoders (tests/hf_models.py) over gloo.
 
 ``autopar.parallelize(..., plan=Plan(cp=2))`` (2 processes) and ``Plan(pp=2, cp=2)`` (4 processes)
-on tiny Llama, Qwen2, Mistral (sliding window) and Gemma2 (eager, soft-capped attention, sliding
-window on alternate layers), plus a padding ``attention_mask`` passed as the second positional
-input (rows with left and right padding; see CASES for which runs where), two SGD steps,
-against one eager process (design.md §5: the losses to 1e-5, the parameters after the steps to
-1e-5 relative with tests/reference.py's absolute floor). What the pass did is checked too: SDPA
-with transformers' causal mask runs with ``is_causal=True``, masks with a window or padding are
-rebuilt (the padding mask all-gathered), Gemma2's eager attention is found as a region. H6: an
-attention the pass cannot rewrite (a bmm over merged batch and heads) raises one ValueError from
-``parallelize`` on every rank, before the first step.
+on tiny Llama, Qwen2, Mistral (sliding window), Gemma2 (eager, soft-capped attention, sliding
+window on alternate layers) and GPT-OSS (eager attention with learned per-head sink logits,
+alternating sliding windows, MoE experts run replicated), with ``use_cache`` True (the default)
+or False (what training scripts set: transformers then builds its masks from ``position_ids`` by
+index, with the packed-sequence check), plus a padding ``attention_mask`` passed as the second
+positional input (rows with left and right padding; see CASES for which runs where), two SGD
+steps, against one eager process (design.md §5: the losses to 1e-5, the parameters after the
+steps to 1e-5 relative with tests/reference.py's absolute floor). What the pass did is checked
+too: SDPA with transformers' causal mask (use_cache=True) runs with ``is_causal=True``, masks with
+a window, padding or use_cache=False are rebuilt (the padding mask all-gathered), Gemma2's and
+GPT-OSS's eager attention are found as regions (GPT-OSS's sinks through one more all-to-all per
+layer). H6: an attention the pass cannot rewrite (a bmm over merged batch and heads) raises one
+ValueError from ``parallelize`` on every rank, before the first step.
 
 One process group per world size runs every sub-case of that size; a sub-case's exception is
 reported with its traceback and the others go on.
@@ -23,21 +27,26 @@ from tests.dist.harness import run_shared
 pytestmark = pytest.mark.slow
 
 BATCH, SEQ, STEPS, M = 4, 16, 2, 2
-MODELS = ("llama", "qwen2", "mistral", "gemma2")
-# world -> the plan and its (model, padded) sub-cases. By default every model runs at cp=2 (Qwen2:
-# transformers' causal mask proven causal; Mistral: sliding window rebuilt; Gemma2: eager region;
-# Llama with padding: the mask all-gathered), and pp=2 x cp=2 runs Gemma2 with padding (eager
-# regions, sliding and full masks rebuilt from the gathered padding, crossing the stage cut). A
-# sub-case costs a capture and a joint trace per rank (~4 s of CPU at cp=2, ~7 s per rank at
-# pp=2 x cp=2, on top of ~8 s of start-up per process), so the whole matrix, every model with and
-# without padding in both worlds (16 sub-cases, ~2.5 min), runs with AUTOPAR_HF_CP_FULL=1.
+MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")  # tests/hf_models.py HF_DECODERS + HF_SINKS
+# world -> the plan and its (model, padded, use_cache) sub-cases. By default every model runs at
+# cp=2 with use_cache=False (the training configuration: Llama with padding, the mask all-gathered;
+# Qwen2: position_ids read by index; Mistral: sliding window rebuilt; Gemma2: eager region; GPT-OSS:
+# sinks), Qwen2 once more with use_cache=True (transformers' causal mask proven causal), and
+# pp=2 x cp=2 runs Gemma2 with padding and use_cache=False (eager regions, sliding and full masks
+# rebuilt from the gathered padding, crossing the stage cut). A sub-case costs a capture and a
+# joint trace per rank (~4 s of CPU at cp=2, ~7 s per rank at pp=2 x cp=2, on top of ~8 s of
+# start-up per process), so the whole matrix, every model with and without padding, with either
+# use_cache, in both worlds (40 sub-cases, ~6 min), runs with AUTOPAR_HF_CP_FULL=1.
 PLANS = {2: dict(cp=2, schedule="1f1b", num_microbatches=M),
          4: dict(pp=2, cp=2, schedule="1f1b", num_microbatches=M)}
-if os.environ.get("AUTOPAR_HF_CP_FULL") == "1":
-    CASES = {w: [(name, padded) for name in MODELS for padded in (False, True)] for w in PLANS}
+FULL = os.environ.get("AUTOPAR_HF_CP_FULL") == "1"
+if FULL:
+    CASES = {w: [(name, padded, use_cache) for name in MODELS for padded in (False, True)
+                 for use_cache in (False, True)] for w in PLANS}
 else:
-    CASES = {2: [("qwen2", False), ("mistral", False), ("gemma2", False), ("llama", True)],
-             4: [("gemma2", True)]}
+    CASES = {2: [("qwen2", False, True), ("qwen2", False, False), ("mistral", False, False),
+                 ("gemma2", False, False), ("llama", True, False), ("gpt_oss", False, False)],
+             4: [("gemma2", True, False)]}
 
 
 def _padding_mask():
@@ -52,12 +61,12 @@ def _padding_mask():
     return mask
 
 
-def _case(name, padded):
+def _case(name, padded, use_cache):
     import dataclasses
 
     from tests.hf_models import make_hf
 
-    case = make_hf(name, seed=3, batch=BATCH, seq=SEQ)
+    case = make_hf(name, seed=3, batch=BATCH, seq=SEQ, use_cache=use_cache)
     if padded:  # model(input_ids, attention_mask)
         case = dataclasses.replace(case, inputs=(case.inputs[0], _padding_mask()))
     return case
@@ -119,17 +128,17 @@ def _train_many(rank, world, plan_kwargs, cases):
     import autopar
 
     out = {}
-    for name, padded in cases:
+    for key in cases:
         t0 = time.perf_counter()
         try:
-            case = _case(name, padded)
+            case = _case(*key)
             pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_sgd,
                                      plan=autopar.Plan(**plan_kwargs), example_target=case.target)
             losses = [pm.step(case.inputs, case.target) for _ in range(STEPS)]
-            out[name, padded] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
-                                 "facts": _graph_facts(pm.built.captured), "s": time.perf_counter() - t0}
+            out[key] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
+                        "facts": _graph_facts(pm.built.captured), "s": time.perf_counter() - t0}
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
-            out[name, padded] = traceback.format_exc()
+            out[key] = traceback.format_exc()
     if world == 2:  # H6: refused before any step, on every rank
         model, inputs, target, loss_fn = _BmmAttention.make()
         try:
@@ -144,10 +153,10 @@ def _train_many(rank, world, plan_kwargs, cases):
     return out
 
 
-def _reference(name, padded):
+def _reference(name, padded, use_cache):
     from tests.reference import eager_reference
 
-    case = _case(name, padded)
+    case = _case(name, padded, use_cache)
     return eager_reference(case.model, case.inputs, case.target, case.loss_fn, _sgd, dp=1, num_microbatches=M,
                            steps=STEPS)
 
@@ -158,29 +167,35 @@ def test_hf_context_parallel_matches_eager(world):
 
     from tests.reference import assert_close_state
 
-    per_rank = run_shared(_train_many, world, PLANS[world], CASES[world], deadline_s=600, reuse=False)
+    per_rank = run_shared(_train_many, world, PLANS[world], CASES[world], deadline_s=2400 if FULL else 600,
+                          reuse=False)
     failures = []
-    for name, padded in CASES[world]:
-        label = f"{name}{' +padding' if padded else ''} {PLANS[world]}"
+    for name, padded, use_cache in CASES[world]:
+        key = name, padded, use_cache
+        label = f"{name}{' +padding' if padded else ''} use_cache={use_cache} {PLANS[world]}"
         try:
-            ref_losses, ref_state = _reference(name, padded)
+            ref_losses, ref_state = _reference(*key)
             for r in range(world):
-                res = per_rank[r][name, padded]
+                res = per_rank[r][key]
                 assert isinstance(res, dict), f"rank {r} raised:\n{res}"
                 for step, want in enumerate(ref_losses):
                     torch.testing.assert_close(res["losses"][step], want, rtol=1e-5, atol=0,
                                                msg=lambda m: f"rank {r} step {step} loss: {m}")
                 assert_close_state(res["state"], ref_state)
-            facts = per_rank[0][name, padded]["facts"]
+            facts = per_rank[0][key]["facts"]
+            print(f"{label}: {facts}, {per_rank[0][key]['s']:.1f} s on rank 0")
             assert facts["all_to_all"] > 0, facts
-            if name in ("llama", "qwen2") and not padded:  # transformers' causal mask -> is_causal
+            if name in ("llama", "qwen2") and not padded and use_cache:  # transformers' causal mask -> is_causal
                 assert facts["causal_sdpa"] > 0 and facts["masked_sdpa"] == 0, facts
-            if name == "mistral" or padded:  # sliding window / padding: the mask is rebuilt
-                assert facts["causal_sdpa"] == 0, facts
+            if name in ("llama", "qwen2", "mistral") and (padded or not use_cache or name == "mistral"):
+                # sliding window / padding / position_ids read by index: the mask is rebuilt
+                assert facts["causal_sdpa"] == 0 and facts["masked_sdpa"] > 0, facts
             if padded:
                 assert facts["all_gather"] > 0, facts
-            if name == "gemma2":
+            if name in ("gemma2", "gpt_oss"):
                 assert facts["softmax"] > 0, facts
+            if name == "gpt_oss":  # q, k, v, out and the sinks: 5 all-to-alls per layer (2 layers)
+                assert facts["all_to_all"] == 10, facts
         except AssertionError as e:
             failures.append(f"{label}: {e}")
     if world == 2:

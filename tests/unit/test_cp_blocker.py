@@ -17,6 +17,7 @@ class _Attn(nn.Module):
         self.mode, self.heads = mode, heads
         self.qkv = nn.Linear(d, 3 * d)
         self.register_buffer("rope", torch.randn(seq, d // heads), persistent=False)
+        self.sinks = nn.Parameter(torch.randn(heads))
 
     def forward(self, x):
         b, t, d = x.shape
@@ -26,6 +27,33 @@ class _Attn(nn.Module):
         if self.mode == "window":  # hand-written attention with a banded mask
             band = (i[:, None] - i[None, :]).abs() <= 2
             y = (q @ k.transpose(-1, -2)).masked_fill(~band, float("-inf")).softmax(-1) @ v
+        elif self.mode in ("position-ids", "chunked"):  # transformers' masks with use_cache=False
+            pos = (i + 0).unsqueeze(0).expand(b, -1)  # position_ids, read by index below
+            bi, qi, ki = (torch.arange(b)[:, None, None, None], i[None, None, :, None], i[None, None, None, :])
+            keep = pos[bi, ki] <= pos[bi, qi]
+            if self.mode == "position-ids":  # and the packed-sequence check over the whole sequence
+                packed = (torch.diff(pos, prepend=pos[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+                keep = keep & (packed[bi, qi] == packed[bi, ki])
+            else:  # chunks of 4 after the left padding, a reduction over the sequence of a model input
+                pad = (x.sum(-1) != 0).long()
+                left = (pad.cumsum(-1) == torch.zeros_like(pad)).sum(-1)
+                keep = keep & ((pos[bi, ki] - left[bi]) // 4 == (pos[bi, qi] - left[bi]) // 4)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=keep.expand(b, -1, t, t))
+        elif self.mode in ("sinks", "sinks-after-pv"):  # GPT-OSS: learned per-head sink logits
+            w = q @ k.transpose(-1, -2) * 0.5 + torch.where(i[:, None] >= i[None, :], 0.0, float("-inf"))
+            sinks = self.sinks.reshape(1, -1, 1, 1).expand(b, -1, t, -1)
+            w = torch.cat([w, sinks], -1)
+            p = (w - w.max(-1, keepdim=True).values).softmax(-1)
+            y = p[..., :-1] @ v if self.mode == "sinks" else (p @ torch.cat([v, v[:, :, :1]], 2))
+        elif self.mode == "padded-sink":  # the extra logit by F.pad: not a region op
+            w = F.pad(q @ k.transpose(-1, -2), (0, 1))
+            y = w.softmax(-1)[..., :-1] @ v
+        elif self.mode == "flip":  # an op mixing the keys beside the element-wise path
+            w = q @ k.transpose(-1, -2)
+            y = (w + w.flip(-1)).softmax(-1) @ v
+        elif self.mode == "query-max":  # a reduction over the queries inside the region
+            w = q @ k.transpose(-1, -2)
+            y = (w - w.amax(-2, keepdim=True)).softmax(-1) @ v
         elif self.mode == "bmm":
             qb, kb, vb = (z.reshape(b * self.heads, t, -1) for z in (q, k, v))
             y = torch.bmm(torch.bmm(qb, kb.transpose(1, 2)).softmax(-1), vb).view(b, self.heads, t, -1)
@@ -69,7 +97,18 @@ def fake_group():
     ("bmm", 2, 12, 8, 2, "is over 3-d scores"),
     ("causal", 4, 16, 8, 4, "positions 0..8 of b_model_rope (length 16 along dim 0); with cp=4 the full sequence needs "
                             "0..32"),
-], ids=["sdpa-causal-mask", "region-window", "heads", "bmm", "table-too-short"])
+    ("position-ids", 2, 12, 8, 2, None),
+    ("chunked", 2, 12, 8, 2, None),
+    ("sinks", 2, 12, 8, 2, None),
+    ("sinks", 3, 12, 8, 2, "cannot rewrite because it has 3 query heads"),
+    ("sinks-after-pv", 2, 12, 8, 2, "cannot rewrite because the probabilities reach matmul_1 with the 1 extra columns"),
+    ("query-max", 2, 12, 8, 2, "cannot rewrite because amax (amax) reduces over dims [-2]"),
+    ("flip", 2, 12, 8, 2, "cannot rewrite because the scores matmul are also used by flip"),
+    ("padded-sink", 2, 12, 8, 2, "attention found at matmul (q @ k^T matmul, softmax softmax), cannot rewrite because "
+                                 "between the scores and the softmax there is pad (pad)"),
+], ids=["sdpa-causal-mask", "region-window", "heads", "bmm", "table-too-short", "position-ids-mask", "chunked-mask",
+        "sinks", "sinks-heads", "sinks-kept", "query-reduction", "keys-mixed",
+        "pad-not-followed"])
 def test_blocker_agrees_with_the_pass(fake_group, mode, heads, d, length, cp, expect):
     """On a shard capture (shard=True): None iff the pass rewrites it, else the pass's message;
     the graph is not changed."""
@@ -100,3 +139,25 @@ def test_blocker_on_the_full_length_capture():
     assert "cp=4 must divide every head count" in context_parallel_blocker(captured, 4)
     assert "sequence length 16 does not divide by 3" in context_parallel_blocker(captured, 3)
     assert "3-d scores" in context_parallel_blocker(_capture("bmm", 16), 2)
+
+
+@pytest.mark.parametrize("name,use_cache", [("llama", False), ("llama", True), ("gpt_oss", False)],
+                         ids=["llama-no-cache", "llama-cache", "gpt_oss-sinks"])
+def test_blocker_agrees_on_hf_decoders(fake_group, name, use_cache):
+    """transformers' masks with and without a cache (use_cache=False: position_ids read by index and
+    the packed-sequence check) and GPT-OSS's sink attention: the blocker passes the full-length
+    capture the planner has and the shard capture, and the pass rewrites the shard capture (on a
+    fake group: the numbers are checked in tests/dist/test_hf_context_parallel.py)."""
+    from autopar.passes import capture
+    from autopar.passes.context_parallel import apply_context_parallel, context_parallel_blocker
+    from tests.hf_models import make_hf
+
+    case = make_hf(name, seed=0, batch=2, seq=16, use_cache=use_cache)
+    if name == "llama" and not use_cache:  # (one full-length capture: each costs ~2 s)
+        full = capture(case.model, case.inputs, case.target, case.loss_fn)
+        assert context_parallel_blocker(full, 2) is None
+    shard = capture(case.model, (case.inputs[0][:, :8],), case.target[:, :8], case.loss_fn)
+    assert context_parallel_blocker(shard, 2, shard=True) is None
+    out = apply_context_parallel(shard, 2, 0, fake_group(2))
+    a2a = sum("all_to_all" in str(n.target) for n in out.gm.graph.nodes)
+    assert a2a == (10 if name == "gpt_oss" else 8), a2a  # q, k, v, out (+ the sinks) per layer, 2 layers
