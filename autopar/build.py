@@ -4,7 +4,10 @@
 
     plan        the planner's choice when no plan is given (rank 0 decides, every rank takes it)
     validate    the plan resolved for the batch (microbatch count), checked against the world;
-                the checkpoint's names, shapes and dtypes checked against the model's
+                the checkpoint's names, shapes and dtypes checked against the model's (tied
+                parameters it stores under one name tied as the model declares them)
+    buffers     non-persistent buffers on the meta device recomputed the way their modules
+                compute them (runtime/materialize.buffer_values), before any process group
     mesh        every process group (distributed mode only)
     module      module rewrites before capture (ExpertParallel)
     capture     model + loss on one microbatch (passes/capture.py); a model on the meta device
@@ -80,6 +83,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
                                 precision=mixed_precision, init_fn=init_fn)
+    buffers = recompute_buffers(model=model, seed=seed, init_fn=init_fn)
     mesh = make_mesh(plan=plan, timeout=timeout)
     owners = rewrite_module(model=model, plan=plan, mesh=mesh, inputs=inputs, target=target)
     mb = batch // (plan.dp * plan.num_microbatches)
@@ -95,7 +99,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
     programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
     values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
-                           owners=owners, device=input_device(inputs))
+                           owners=owners, device=input_device(inputs), buffers=buffers)
     executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
                                        schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
                                        trainable=trainable, values=values, precision=mixed_precision, options=options,
@@ -197,9 +201,12 @@ def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, 
                          "their own fp32 masters); use ep=1 or mixed_precision=None")
     checkpoint = None
     if weights is not None:
+        from autopar.runtime.materialize import tie_declared
         from autopar.runtime.weights import check_against, open_weights
 
         reader = open_weights(weights)
+        for absent, stored in tie_declared(model, set(reader.meta)):  # tied as the model ties them
+            log.info("autopar: %s is not in %s: tied to %s, as the model declares", absent, reader.describe, stored)
         checkpoint = (reader, check_against(reader, whole, aliases_of(model)))
     elif any(t.is_meta for t in model.state_dict(keep_vars=True).values()):
         from autopar.runtime.materialize import has_init
@@ -258,7 +265,7 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
     from autopar import passes
 
     t0 = time.perf_counter()
-    tensors = model.state_dict(keep_vars=True)
+    tensors = {**dict(model.named_buffers()), **model.state_dict(keep_vars=True)}  # non-persistent buffers too
     if precision is None and not any(t.is_meta for t in tensors.values()):
         captured = passes.capture(model, inputs, target, loss_fn, input_names)  # looked up here: tests may memoize it
     else:
@@ -311,10 +318,29 @@ def make_programs(*, stages: list, schedule, plan: Plan, mesh, trainable: set[st
     return programs
 
 
-def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_fn, owners: dict, device):
+def recompute_buffers(*, model: nn.Module, seed: int, init_fn) -> dict:
+    """The non-persistent buffers on the meta device (in no checkpoint, computed by their modules'
+    constructors: RoPE tables, position ids), recomputed on the CPU the way their modules compute
+    them (runtime/materialize.buffer_values); every rank computes them, before any process group
+    exists, so one it cannot is a ValueError on every rank before any communication. They are
+    small; each rank keeps those its stages read (``make_executor``)."""
+    from autopar.runtime.materialize import buffer_values
+
+    t0 = time.perf_counter()
+    buffers = buffer_values(model, seed=seed, init_fn=init_fn)
+    if buffers:
+        log.info("autopar: recomputed %d non-persistent buffer(s) on meta (%s) in %.2fs", len(buffers),
+                 ", ".join(list(buffers)[:3]) + (", ..." if len(buffers) > 3 else ""), time.perf_counter() - t0)
+    return buffers
+
+
+def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_fn, owners: dict, device,
+                  buffers: dict | None = None):
     """``values(fqns) -> {fqn: tensor}``: the values this process gives the tensors it holds and
-    that are on the meta device, from the checkpoint (non-persistent buffers from the init) or
-    the init, as this process keeps them (an expert shard's rows), on ``device``."""
+    that are on the meta device, from the checkpoint or the init, and non-persistent buffers from
+    ``buffers`` (``recompute_buffers``), as this process keeps them (an expert shard's rows), on
+    ``device``."""
+    buffers = buffers or {}
     from autopar.runtime.materialize import CheckpointValues, InitValues, has_init
 
     init = None
@@ -327,7 +353,8 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
     def values(fqns):
         if source is None:
             raise AssertionError("validate() let a meta model through without weights or an init")
-        out = {}
+        out = {f: buffers[f] for f in fqns if f in buffers}
+        fqns = [f for f in fqns if f not in out]
         for f in fqns:  # an expert shard: read only the rows this rank keeps
             if f in rows and isinstance(source, CheckpointValues) and f in source.source_of:
                 out[f] = source.rows(f, rows[f])
@@ -346,7 +373,7 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
     from autopar.parallel.data import DataParallel
     from autopar.parallel.pipeline import PipelineParallel
     from autopar.passes import keys
-    from autopar.runtime.materialize import assign
+    from autopar.runtime.materialize import assign, check_materialized
     from autopar.runtime.streams import CommStream
 
     pipeline = PipelineParallel(schedule=schedule, stages=stages, trainable=trainable, aliases=captured.aliases,
@@ -363,14 +390,19 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
     owners["dp"] = dp
     # what else this process's stages read: parameters without a gradient, buffers (compute dtype)
     held_params, held_buffers = pipeline.held(stages)
-    rest = {f: t for f, t in model.state_dict(keep_vars=True).items()
-            if t.is_meta and (f in held_buffers or (f in held_params and f not in dp.trained and f not in dp.sharded))}
+    tensors = {**dict(model.named_buffers()), **model.state_dict(keep_vars=True)}  # non-persistent buffers too
+    read = {f for f in tensors if f in held_buffers or (f in held_params and f not in dp.sharded)}
+    # non-persistent buffers no stage reads (original_inv_freq) are kept too: the model is whole where
+    # the plan allows, at the cost of a few small tables (every rank computed them, recompute_buffers)
+    unread = set(tensors) - set(model.state_dict(keep_vars=True)) - {f for st in stages for f in st.buffers}
+    rest = {f: t for f, t in tensors.items() if t.is_meta and (f in read or f in unread) and f not in dp.trained}
     if rest:
         got = values(rest)
         if precision is not None:
             got = {f: v.to(precision.param_dtype) if f in held_params and v.is_floating_point() else v
                    for f, v in got.items()}
         assign(model, got)
+    check_materialized(model, sorted(read))
     params.update(unique_params(model))
     state = keys.state(params, dict(model.named_buffers()), captured.constants)
     materialized = sum(t.numel() * t.element_size() for t in params.values() if not t.is_meta)

@@ -24,11 +24,36 @@ a random value drawn into a temporary and copied in (``p.copy_(torch.randn(...))
 torch's global generator, seeded with ``seed`` before each run, and is plan-independent only
 when the same tensors are real. Initialization runs on the CPU (values do not depend on the
 device) and in the dtype the model was built with.
+
+Non-persistent buffers (RoPE ``inv_freq``, BERT's ``position_ids``, Gemma's ``embed_scale``)
+are in no checkpoint, and a module computes them in its constructor, which ran on the meta
+device. ``buffer_values`` recomputes them, owner module by owner module, with the first of
+these that writes them (each run with the buffers fresh and every other tensor on meta, writes
+tracked by a dispatch mode):
+
+1. a Hugging Face ``PreTrainedModel``: the nearest ``PreTrainedModel`` ancestor's
+   ``_init_weights(owner)``, which is how transformers' ``from_pretrained`` restores them on a
+   meta-built model (``_move_missing_keys_from_meta_to_device`` gives them storage, then
+   ``initialize_weights`` runs ``_init_weights``: rotary modules' ``rope_init_fn``,
+   ``position_ids``' arange, ...);
+2. the owner's own ``reset_parameters()``;
+3. the model's initialization (``init_fn`` or ``init_weights()``: torchtitan recomputes
+   ``freqs_cis`` there);
+4. a CPU twin of the owner, for an owner without parameters: its class constructed (on the CPU)
+   from its attributes named like its ``__init__`` arguments (``config``, ``dim``, ...; the
+   others take their defaults), its buffers read.
+
+A buffer none of them computes is a ``ValueError`` naming it, its shape and the fix
+(``check_materialized`` names any tensor still on meta after materialization the same way).
+Tied parameters a checkpoint stores under one name are tied as the model declares them
+(``declared_ties``: transformers' ``all_tied_weights_keys``, from ``tie_word_embeddings`` and
+``_tied_weights_keys``) before the checkpoint is checked (``tie_declared``).
 """
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 from typing import Callable, Iterable
 
 import torch
@@ -210,12 +235,14 @@ def init_weights(model: nn.Module, seed: int = 0, init_fn: Callable | None = Non
                  device: torch.device | str = "cpu") -> nn.Module:
     """Give every parameter and buffer of ``model`` (built on the meta device, or not) the values
     ``autopar.parallelize(model, ..., seed=seed)`` initializes it with under every plan; in
-    place, on ``device``; returns the model. This is the eager reference of autopar's init."""
+    place, on ``device``; returns the model. This is the eager reference of autopar's init.
+    Non-persistent buffers on meta are recomputed as ``buffer_values`` does."""
     shapes = {f: tuple(t.shape) for f, t in model.state_dict(keep_vars=True).items()}
     dtypes = {f: t.dtype for f, t in model.state_dict(keep_vars=True).items()}
-    canonical = list(_unique_tensors(model))
+    canonical = [f for f in _unique_tensors(model) if f in shapes]
+    buffers = buffer_values(model, seed=seed, init_fn=init_fn)
     values = InitValues(model, seed, init_fn, shapes, dtypes).get(canonical)
-    assign(model, {f: v.to(device) for f, v in values.items()})
+    assign(model, {f: v.to(device) for f, v in {**values, **buffers}.items()})
     return model
 
 
@@ -227,3 +254,210 @@ def _unique_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(t))
             out[fqn] = t
     return out
+
+
+# -- non-persistent buffers, tied weights, what is left on meta --------------------------------
+
+
+def non_persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """FQN -> buffer for every buffer ``model.state_dict()`` leaves out (``persistent=False``)."""
+    persistent = set(model.state_dict(keep_vars=True))
+    return {f: b for f, b in model.named_buffers() if f not in persistent}
+
+
+class _Writes(TorchDispatchMode):
+    """The storages every op writes (arguments its schema marks as written: in-place and out=)."""
+
+    def __init__(self):
+        super().__init__()
+        self.written: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(v, torch.Tensor) and not v.is_meta:
+                    self.written.add(v.untyped_storage().data_ptr())
+        return func(*args, **kwargs)
+
+
+def _run_fresh(model: nn.Module, fqns: list[str], fn: Callable, seed: int) -> dict[str, torch.Tensor]:
+    """Run ``fn()`` with the tensors ``fqns`` fresh (zeros on the CPU, their shapes and dtypes) and
+    every other tensor on meta, on the CPU, without touching torch's generators; returns what it
+    wrote of them (in place, or by putting a new tensor in the slot)."""
+    fresh = {f: torch.zeros(_get(model, f).shape, dtype=_get(model, f).dtype) for f in fqns}
+    names = {t.untyped_storage().data_ptr(): f for f, t in fresh.items()}
+    hidden = {f: torch.empty(t.shape, dtype=t.dtype, device="meta")
+              for f, t in _unique_tensors(model).items() if f not in fresh and not t.is_meta}
+    writes = _Writes()
+    out = {}
+    with swapped(model, {**hidden, **fresh}), torch.no_grad(), torch.random.fork_rng(devices=[]), \
+            torch.device("cpu"):
+        torch.manual_seed(seed)
+        with _PerTensorGenerators(seed, names), writes:
+            fn()
+        for f, t in fresh.items():
+            now = _get(model, f)
+            if now is not t:  # the slot was given a new tensor (self.freqs = compute(...))
+                if isinstance(now, torch.Tensor) and not now.is_meta and tuple(now.shape) == tuple(t.shape):
+                    out[f] = now.detach().to(t.dtype)
+            elif t.numel() == 0 or t.untyped_storage().data_ptr() in writes.written:
+                out[f] = t
+    return out
+
+
+def _pretrained_owner(model: nn.Module, path: str):
+    """The nearest Hugging Face ``PreTrainedModel`` at or above the module at ``path``."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return None
+    parts = path.split(".") if path else []
+    for n in range(len(parts), -1, -1):
+        mod = model.get_submodule(".".join(parts[:n]))
+        if isinstance(mod, PreTrainedModel):
+            return mod
+    return None
+
+
+def _twin(module: nn.Module, names: list[str], seed: int) -> tuple[dict[str, torch.Tensor], str]:
+    """The buffers ``names`` of a CPU twin of ``module`` (its class constructed from its attributes
+    named like its ``__init__`` arguments), or ({}, why not)."""
+    cls = type(module)
+    if any(True for _ in module.parameters()):
+        return {}, f"a CPU twin of {cls.__name__} is not built because it has parameters"
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return {}, f"{cls.__name__}.__init__ has no signature to build a CPU twin from"
+    args, kwargs, attrs = [], {}, vars(module)
+    for name, p in list(sig.parameters.items())[1:]:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if name == "device":
+            value = torch.device("cpu")
+        elif name in attrs:
+            value = attrs[name]
+        elif p.default is not p.empty:
+            continue
+        else:
+            return {}, (f"a CPU twin of {cls.__name__} cannot be built: its __init__ argument {name!r} is not an "
+                        "attribute of the module")
+        (args.append(value) if p.kind == p.POSITIONAL_ONLY else kwargs.__setitem__(name, value))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), torch.device("cpu"):
+            torch.manual_seed(seed)
+            twin = cls(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the reason goes into the caller's ValueError
+        return {}, f"a CPU twin of {cls.__name__} failed to build ({type(e).__name__}: {e})"
+    out = {}
+    for name in names:
+        b = twin._buffers.get(name)
+        mine = module._buffers[name]
+        if isinstance(b, torch.Tensor) and not b.is_meta and tuple(b.shape) == tuple(mine.shape):
+            out[name] = b.detach().to(mine.dtype)
+    return out, "" if len(out) == len(names) else f"a CPU twin of {cls.__name__} has no buffer of that shape"
+
+
+def buffer_values(model: nn.Module, *, seed: int = 0, init_fn: Callable | None = None,
+                  fqns: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """Values (on the CPU) of the non-persistent buffers on the meta device (or of ``fqns``),
+    computed the way their modules compute them (the module docstring's four ways, the first that
+    writes them); ValueError naming each one that none computes, with its shape and the fix."""
+    todo = [f for f, b in non_persistent_buffers(model).items() if b.is_meta] if fqns is None else list(fqns)
+    by_owner: dict[str, list[str]] = {}
+    for f in todo:
+        by_owner.setdefault(f.rpartition(".")[0], []).append(f)
+    out: dict[str, torch.Tensor] = {}
+    why: dict[str, list[str]] = {}
+
+    def attempt(fs: list[str], fn: Callable, what: str) -> None:
+        fs = [f for f in fs if f not in out]
+        if not fs:
+            return
+        try:
+            out.update(_run_fresh(model, fs, fn, seed))
+        except Exception as e:  # noqa: BLE001 - a hook that fails is one way less; the reason is reported
+            for f in fs:
+                why.setdefault(f, []).append(f"{what} failed ({type(e).__name__}: {e})")
+
+    for path, fs in by_owner.items():
+        owner = model.get_submodule(path)
+        pretrained = _pretrained_owner(model, path)
+        if pretrained is not None and callable(getattr(pretrained, "_init_weights", None)):
+            attempt(fs, lambda p=pretrained, o=owner: p._init_weights(o), f"{type(pretrained).__name__}._init_weights")
+        if callable(getattr(owner, "reset_parameters", None)):
+            attempt(fs, owner.reset_parameters, f"{type(owner).__name__}.reset_parameters()")
+    left = [f for f in todo if f not in out]
+    if left and (init_fn is not None or callable(getattr(model, "init_weights", None))):
+        attempt(left, lambda: run_init(model, init_fn), "the model's init")
+    for path, fs in by_owner.items():
+        fs = [f for f in fs if f not in out]
+        if fs:
+            got, reason = _twin(model.get_submodule(path), [f.rpartition(".")[2] for f in fs], seed)
+            out.update({f: got[f.rpartition(".")[2]] for f in fs if f.rpartition(".")[2] in got})
+            for f in fs:
+                if f not in out:
+                    why.setdefault(f, []).append(reason)
+    left = [f for f in todo if f not in out]
+    if left:
+        shown = "; ".join(f"{f} (shape {tuple(_get(model, f).shape)}, {_get(model, f).dtype}, in "
+                          f"{type(_slot(model, f)[0]).__name__}: " + "; ".join(why.get(f, [])) + ")" for f in left[:4])
+        raise ValueError(f"autopar: {len(left)} non-persistent buffer(s) are on the meta device and nothing computes "
+                         f"them: {shown}. A checkpoint never holds them, and their module computed them in its "
+                         "constructor, on meta. Build that module on the CPU (outside the meta-device block), give it "
+                         "a reset_parameters() that fills them, or pass init_fn= that sets them")
+    return {f: out[f] for f in todo}
+
+
+def check_materialized(model: nn.Module, fqns: Iterable[str]) -> None:
+    """ValueError naming every tensor of ``fqns`` (parameters or buffers) still on the meta device
+    (raised before the executor exists, so before any program or collective runs)."""
+    left = [f for f in fqns if _get(model, f).is_meta]
+    if left:
+        shown = ", ".join(f"{f} (shape {tuple(_get(model, f).shape)})" for f in left[:6])
+        raise ValueError(f"autopar: {len(left)} tensor(s) this process's stages read are still on the meta device "
+                         f"after materialization: {shown}. Pass weights= holding them (keys as in "
+                         "model.state_dict()), or give their modules an initialization (reset_parameters(), the "
+                         "model's init_weights(), or init_fn=) that fills them")
+
+
+def declared_ties(model: nn.Module) -> dict[str, str]:
+    """{tied parameter: the parameter it is tied to} as the model declares them: transformers'
+    ``all_tied_weights_keys`` (expanded from ``_tied_weights_keys``, empty when the config says
+    ``tie_word_embeddings=False``), else a ``_tied_weights_keys`` dict when the config (if any)
+    ties word embeddings."""
+    keys = getattr(model, "all_tied_weights_keys", None)
+    if keys is None and callable(getattr(model, "get_expanded_tied_weights_keys", None)):
+        keys = model.get_expanded_tied_weights_keys(all_submodels=True)
+    if keys is None:
+        declared = getattr(model, "_tied_weights_keys", None)
+        tie = getattr(getattr(model, "config", None), "tie_word_embeddings", True)
+        keys = declared if isinstance(declared, dict) and tie else {}
+    return dict(keys)
+
+
+def tie_declared(model: nn.Module, present: set[str]) -> list[tuple[str, str]]:
+    """Tie the declared ties (``declared_ties``) that are not tied in ``model`` and that a
+    checkpoint holding ``present`` stores under one name only, the way transformers'
+    ``tie_weights`` does in ``from_pretrained``: the absent name gets the stored one's parameter.
+    Returns the (absent, stored) pairs tied."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    done = []
+    for target, source in declared_ties(model).items():
+        if target not in params or source not in params or params[target] is params[source]:
+            continue
+        if target not in present and source in present:
+            absent, stored = target, source
+        elif source not in present and target in present:
+            absent, stored = source, target
+        else:
+            continue
+        if tuple(params[absent].shape) != tuple(params[stored].shape):
+            continue
+        mod, attr, _ = _slot(model, absent)
+        mod._parameters[attr] = params[stored]
+        params[absent] = params[stored]
+        done.append((absent, stored))
+    return done

@@ -163,9 +163,8 @@ BAD_EXPECT = {"missing": "blocks.1.mlp.fc.weight", "extra": "blocks.9.attn.qkv.w
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_meta_models_checkpoints_and_mixed_precision(world, tmp_path):
     import autopar
-    from tests.reference import eager_mixed_reference, eager_reference
-
     from tests.planner_check import planner_parameter_bytes
+    from tests.reference import eager_mixed_reference, eager_reference
 
     files = _write_checkpoints(str(tmp_path))
     subcases, predicted = list(MATRIX[world]), {}
