@@ -45,8 +45,8 @@ __all__ = [
 
 
 def memoized_capture(capture, memo: dict | None = None):
-    """``capture`` that captures each (model structure, parameter dtypes and devices, input
-    shapes and dtypes, loss_fn) once (in ``memo``, or a new dict).
+    """``capture`` that captures each (model structure and config, tied and trainable parameters,
+    parameter dtypes and devices, input shapes and dtypes, loss_fn) once (in ``memo``, or a new dict).
 
     Tests that run one zoo model under many plans (schedules, pp, dp) get the same captured
     graph for every plan: capture is deterministic, reads no parameter values, and
@@ -59,7 +59,14 @@ def memoized_capture(capture, memo: dict | None = None):
     def memoized(model, inputs, target=None, loss_fn=None, input_names=None):
         tensors = (*inputs, *([target] if target is not None else []))
         kinds = tuple(sorted({(str(t.dtype), t.device.type) for t in model.state_dict().values()}))
-        key = (repr(model), kinds, tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn, input_names)
+        # what repr() does not show but the graph depends on: a Hugging Face config (use_cache
+        # changes the mask's graph), tied parameters (named_parameters lists a tie once) and
+        # which parameters require grad (capture picks SDPA's layout by it)
+        config = getattr(model, "config", None)
+        config = config.to_json_string() if hasattr(config, "to_json_string") else None
+        params = tuple((n, p.requires_grad) for n, p in model.named_parameters())
+        key = (repr(model), config, params, kinds, tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn,
+               input_names)
         if key not in memo:
             memo[key] = capture(model, inputs, target, loss_fn, input_names)
         return memo[key]
