@@ -15,10 +15,11 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
                n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0, precision=None,
-               input_names=None):
+               input_names=None, pin=None):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
-    and priced with bf16 compute copies, fp32 masters and fp32 gradients."""
+    and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
+    Layout fields to hold fixed (e.g. ``{"pp": 16, "ep": 64, "zero": 1}``); the rest is searched."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan
@@ -46,7 +47,7 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     req = Request(gpus=gpus, global_batch=global_batch, cp_blocker=blocker,
                   memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
                   exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
-                  ilp_time_limit=ilp_time_limit, **kw)
+                  ilp_time_limit=ilp_time_limit, pin=tuple((pin or {}).items()), **kw)
     res = plan(prof, device, req, progress=progress)
     info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
             "units": len(prof.units)}

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cp", action="store_true", help="do not search context parallelism")
     p.add_argument("--no-ep", action="store_true", help="do not search expert parallelism")
     p.add_argument("--max-zero", type=int, default=3, choices=(0, 1, 2, 3), help="highest ZeRO level to search")
+    p.add_argument("--pin", default=None, help="fix layout fields and search the rest, e.g. "
+                                               "pp=16,ep=64,dp=128,zero=1 (pp, dp, cp, ep, zero, schedule, "
+                                               "microbatches, v, b)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -137,6 +140,9 @@ def _run(args, say) -> int:
         if bad:
             raise ValueError(f"--schedules: unknown {bad}; known: {', '.join(sched_names())}")
     from . import plan_model
+    from .search import parse_pin
+
+    pin = parse_pin(args.pin) if args.pin else None
 
     if args.preset is not None:
         seq = args.seq or 4096
@@ -159,7 +165,7 @@ def _run(args, say) -> int:
     res, info = plan_model(model, inputs, target, loss_fn, gpus=args.gpus, global_batch=args.global_batch,
                            device=device, memory_limit=limit, exhaustive=args.all, schedules=schedules,
                            allow_cp=not args.no_cp, allow_ep=not args.no_ep,
-                           zero_levels=tuple(range(args.max_zero + 1)), progress=say, **kwargs)
+                           zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     from .report import text, to_json
 

@@ -51,14 +51,61 @@ class Request:
     # (passes/context_parallel.context_parallel_blocker on the profile's capture); None: judge by
     # the attention head count alone
     cp_blocker: object = field(default=None, compare=False, repr=False)
+    # Layout fields fixed by the user (``--pin pp=16,ep=64``): only layouts matching every one
+    # are searched; keys are Layout fields (``microbatches``/``num_microbatches`` mean ``m``)
+    pin: tuple = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "pin", tuple(sorted(_normalize_pin(dict(self.pin)).items())))
+        pin = dict(self.pin)
+        deg = [pin[k] for k in ("pp", "dp", "cp") if k in pin]
+        if len(deg) == 3 and deg[0] * deg[1] * deg[2] != self.gpus:
+            raise ValueError(f"--pin pp={deg[0]} dp={deg[1]} cp={deg[2]}: pp*dp*cp = {deg[0] * deg[1] * deg[2]} "
+                             f"is not the GPU count {self.gpus}")
+        for k in ("pp", "dp", "cp"):
+            if k in pin and self.gpus % pin[k]:
+                raise ValueError(f"--pin {k}={pin[k]} does not divide the GPU count {self.gpus}")
         if self.gpus < 1:
             raise ValueError(f"autopar plan: --gpus must be >= 1, got {self.gpus}")
         if self.global_batch < 1:
             raise ValueError(f"autopar plan: --global-batch must be >= 1, got {self.global_batch}")
         if self.memory_limit <= 0:
             raise ValueError(f"autopar plan: the memory limit must be positive, got {self.memory_limit}")
+
+
+_PIN_ALIASES = {"microbatches": "m", "num_microbatches": "m", "stages_per_rank": "v", "microbatch_size": "b"}
+_PIN_INT = ("pp", "dp", "cp", "ep", "v", "m", "b", "zero")
+
+
+def _normalize_pin(pin: dict) -> dict:
+    out = {}
+    for k, v in pin.items():
+        key = _PIN_ALIASES.get(k, k)
+        if key not in _PIN_INT + ("schedule",):
+            raise ValueError(f"--pin {k}={v}: unknown field; pin any of {', '.join(_PIN_INT + ('schedule',))} "
+                             f"(or microbatches)")
+        if key != "schedule":
+            try:
+                v = int(v)
+            except (TypeError, ValueError):
+                raise ValueError(f"--pin {k}={v!r}: expected an integer") from None
+            if v < (0 if key == "zero" else 1):
+                raise ValueError(f"--pin {k}={v}: must be >= {0 if key == 'zero' else 1}")
+        elif v not in registry.names():
+            raise ValueError(f"--pin schedule={v}: unknown schedule; known: {', '.join(registry.names())}")
+        out[key] = v
+    return out
+
+
+def parse_pin(text: str) -> dict:
+    """``"pp=16,ep=64,dp=128,zero=1"`` -> {"pp": 16, ...} (validated by :class:`Request`)."""
+    out = {}
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        if "=" not in part:
+            raise ValueError(f"--pin {part!r}: expected field=value, e.g. pp=16,ep=64,dp=128,zero=1")
+        k, v = part.split("=", 1)
+        out[k.strip()] = v.strip()
+    return _normalize_pin(out)
 
 
 @dataclass
@@ -155,6 +202,7 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
     """Every layout the world size, batch and model allow (violations go to ``reject``)."""
     N, U = req.gpus, len(profile.units)
     seq = profile.seq_len or 1
+    pin = dict(req.pin)
     for pp in divisors(N):
         if pp > U:
             continue
@@ -184,6 +232,8 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                     for ep in eps:
                         for z in zeros:
                             lay = Layout(pp, dp, cp, ep, name, v, m, b, z)
+                            if pin and any(getattr(lay, k) != x for k, x in pin.items()):
+                                continue
                             try:
                                 registry.check(name, pp, m, v)
                             except ValueError as e:

@@ -572,3 +572,36 @@ def test_deepseek_needs_ep(capsys):
     assert rc == 2 and not data["feasible"]
     rc, data = _plan_json(capsys, args)
     assert rc == 0 and data["ep"] > 1 and (data["dp"] * data["cp"]) % data["ep"] == 0
+
+
+# pinned layout fields (autopar plan --pin, Request(pin=...), plan_model(pin=...))
+def test_pin_restricts_search_to_the_fastest_matching_layout(gpt_profile):
+    dev = get_profile("h100")
+    # reference: the exhaustive unpinned search, filtered by hand to pp=2, zero=1
+    kw = dict(gpus=4, global_batch=4, memory_limit=80e9, exhaustive=True, schedules=("1f1b", "zb-h1"))
+    full = plan(gpt_profile, dev, Request(**kw))
+    ref = [c for c in full.feasible() if c.layout.pp == 2 and c.layout.zero == 1]
+    pinned = plan(gpt_profile, dev, Request(**kw, pin={"pp": 2, "zero": 1}))
+    seen = [c for c in pinned.candidates if c.status != "rejected"]
+    assert seen and all(c.layout.pp == 2 and c.layout.zero == 1 for c in seen)
+    assert pinned.chosen.layout == ref[0].layout
+    assert pinned.chosen.time == pytest.approx(ref[0].time, rel=1e-12)
+
+
+def test_parse_pin_and_bad_pins():
+    from autopar.planner.cli import main as cli_main
+    from autopar.planner.search import parse_pin
+
+    assert parse_pin("pp=16, ep=64,dp=128,zero=1,microbatches=8,schedule=zb-h2") == \
+        {"pp": 16, "ep": 64, "dp": 128, "zero": 1, "m": 8, "schedule": "zb-h2"}
+    with pytest.raises(ValueError, match=r"pp\*dp\*cp = 12 is not the GPU count 8"):
+        Request(gpus=8, global_batch=8, memory_limit=1e9, pin={"pp": 2, "dp": 3, "cp": 2})
+    with pytest.raises(ValueError, match="pp=3 does not divide the GPU count 8"):
+        Request(gpus=8, global_batch=8, memory_limit=1e9, pin={"pp": 3})
+    with pytest.raises(ValueError, match="unknown field"):
+        parse_pin("tp=2")
+    with pytest.raises(ValueError, match="expected an integer"):
+        parse_pin("pp=two")
+    with pytest.raises(ValueError, match="unknown schedule"):
+        parse_pin("schedule=nope")
+    assert cli_main(["llama3-8b", "--gpus", "8", "--global-batch", "8", "--pin", "tp=2", "--quiet"]) == 2
