@@ -1,8 +1,10 @@
 """Suite-wide settings: one intra-op thread (2-core CI machines; threads fighting cost 3x),
-a CI hypothesis profile, the repository root on sys.path for `tests.models`, and the
-multi-process tests that use the shared pools (tests/dist) in one pytest-xdist group: they run one after another on
-one worker (sharing its pools of gloo processes, tests/dist/harness.py) while the other
-worker runs the single-process tests (pyproject: ``-n 2 --dist loadgroup``)."""
+a CI hypothesis profile, the repository root on sys.path for `tests.models`, and each
+multi-process test file (tests/dist) in a pytest-xdist group of its own: its sub-cases run on
+one worker, sharing that worker's pools of gloo processes (tests/dist/harness.py) and its
+per-world runs (pyproject: ``-n 2 --dist loadgroup``; pytest < 9, whose node ids xdist's
+loadgroup can still suffix: under pytest 9 the groups were silently ignored and every
+per-world run ran on both workers)."""
 import os
 import sys
 
@@ -27,13 +29,14 @@ def _one_thread():
     yield
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the group markers into node ids
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        path = str(item.fspath)
-        # test_failures starts its own processes (ranks that die or hang): it needs no pool
-        if os.sep + "dist" + os.sep in path and not path.endswith("test_failures.py"):
-            item.add_marker(pytest.mark.xdist_group("dist"))
+def pytest_itemcollected(item):
+    # One xdist group per multi-process test file: a file's sub-cases share per-world runs (one
+    # run serves all its parametrized cases), so they must run on one worker; different files
+    # may run on both workers, each with its own pools. test_failures starts its own processes
+    # (ranks that die or hang): it needs no pool.
+    path = str(item.fspath)
+    if os.sep + "dist" + os.sep in path and not path.endswith("test_failures.py"):
+        item.add_marker(pytest.mark.xdist_group("dist_" + os.path.basename(path).removesuffix(".py")))
 
 
 def pytest_sessionfinish(session, exitstatus):
