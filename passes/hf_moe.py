@@ -181,6 +181,15 @@ def slots_per_pair(num_tokens: int, top_k: int, n_local: int) -> int:
     return num_tokens * min(top_k, n_local)
 
 
+
+def _check_call(module, hidden_states, top_k_index, top_k_weights) -> None:
+    """The experts' call contract: hidden_states [N, d], top_k_index and top_k_weights [N, k]."""
+    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
+            or top_k_index.shape[0] != hidden_states.shape[0]:
+        raise ValueError(f"autopar: expert-parallel {type(module).__name__} expects hidden_states [N, d], "
+                         f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
+                         f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+
 def _route(top_k_index: torch.Tensor, ep: int, n_local: int, pad_token: int, pad_expert: int):
     """Where every assignment goes (module docstring, step 1), static shapes: ``(P, slot [S],
     slot_token [ep * P], slot_expert [ep * P])``; ``slot[s]`` is the send-buffer slot of
@@ -216,11 +225,7 @@ class HFExpertParallel:
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
-        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
-                or top_k_index.shape[0] != hidden_states.shape[0]:
-            raise ValueError(f"autopar: expert-parallel {type(self).__name__} expects hidden_states [N, d], "
-                             f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
-                             f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+        _check_call(self, hidden_states, top_k_index, top_k_weights)
         n, d = hidden_states.shape
         k = top_k_index.shape[1]
         ep, n_local = self.ep, self.num_experts
@@ -462,11 +467,7 @@ class GenericExpertParallel:
         bound = _signature(self).bind(self, *args, **kwargs)
         bound.apply_defaults()
         hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:]
-        if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
-                or top_k_index.shape[0] != hidden_states.shape[0]:
-            raise ValueError(f"autopar: expert-parallel {type(self).__name__} expects hidden_states [N, d], "
-                             f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
-                             f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+        _check_call(self, hidden_states, top_k_index, top_k_weights)
         n, d = hidden_states.shape
         k = top_k_index.shape[1]
         ep, n_local = self.ep, self.ep_local

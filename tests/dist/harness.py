@@ -10,7 +10,9 @@ split programs for the runs that use them. Not for runs with context or expert p
 each run. Runs that kill a rank or must see a fresh process use ``run_ranks``.
 """
 import atexit
+import contextlib
 import importlib
+import io
 
 _POOLS: dict = {}
 _CAPTURES: dict = {}   # memoized_capture's memo, kept across the runs of one process
@@ -108,3 +110,30 @@ def reuse_programs() -> None:
 
     memoized.memoized = True
     sb.split_backward = memoized
+
+
+def run_pooled(script: str, args: list[str], deadline_s: float = 120.0) -> str:
+    """``benchmarks/<script>``'s ``main(args)`` in this process, its ranks on this session's shared
+    pool of gloo processes (``tests/dist/harness.run_shared``: started and imported once, not per
+    script) instead of freshly spawned ones; returns what it printed. It must return 0."""
+    from autopar.runtime import spawn
+    mod = importlib.import_module("benchmarks." + script.removesuffix(".py"))  # a module the ranks can import
+
+    def pooled(fn, world, *a, timeout_s=None, deadline_s=deadline_s, expect_failure=False):
+        assert not expect_failure
+        return run_shared(fn, world, *a, deadline_s=min(deadline_s, limit), reuse=False)
+
+    limit, saved = deadline_s, (spawn.run_ranks, getattr(mod, "run_ranks", None))
+    spawn.run_ranks = pooled  # the scripts import it at the top or inside main
+    if saved[1] is not None:
+        mod.run_ranks = pooled
+    buf = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(buf):
+            rc = mod.main(args)
+    finally:
+        spawn.run_ranks = saved[0]
+        if saved[1] is not None:
+            mod.run_ranks = saved[1]
+    assert rc == 0, buf.getvalue()
+    return buf.getvalue()

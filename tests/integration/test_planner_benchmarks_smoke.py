@@ -13,10 +13,8 @@ Spearman correlation is computed here by hand, ties as average ranks); X2's dp=1
 model's and ZeRO-2/3 hold every gradient and optimizer element once across the replicas; L6's
 pp=2 run from the safetensors file it wrote trains as eager PyTorch from autopar's init.
 """
-import contextlib
 import gc
 import importlib
-import io
 import math
 import re
 import statistics
@@ -25,6 +23,7 @@ import pytest
 import torch
 
 from autopar.runtime.memory_probe import PeakTensorMemory, storage_bytes
+from tests.dist.harness import run_pooled as _run
 
 MiB = 2 ** 20
 NUM = r"[-+]?\d+\.\d+"
@@ -70,35 +69,6 @@ def test_probe_sees_autograd_and_inplace_resize():
         out.add_(1)
     assert probe.peak_bytes >= 3 * 256 * 1024
     assert storage_bytes([w, w.grad, w.grad[0]]) == 2 * 256 * 1024
-
-
-def _run(script: str, args: list[str], deadline_s: float = 120.0) -> str:
-    """``benchmarks/<script>``'s ``main(args)`` in this process, its ranks on this session's shared
-    pool of gloo processes (``tests/dist/harness.run_shared``: started and imported once, not per
-    script) instead of freshly spawned ones; returns what it printed. It must return 0."""
-    from autopar.runtime import spawn
-    from tests.dist.harness import run_shared
-
-    mod = importlib.import_module("benchmarks." + script.removesuffix(".py"))  # a module the ranks can import
-
-    def pooled(fn, world, *a, timeout_s=None, deadline_s=deadline_s, expect_failure=False):
-        assert not expect_failure
-        return run_shared(fn, world, *a, deadline_s=min(deadline_s, limit), reuse=False)
-
-    limit, saved = deadline_s, (spawn.run_ranks, getattr(mod, "run_ranks", None))
-    spawn.run_ranks = pooled  # the scripts import it at the top or inside main
-    if saved[1] is not None:
-        mod.run_ranks = pooled
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buf):
-            rc = mod.main(args)
-    finally:
-        spawn.run_ranks = saved[0]
-        if saved[1] is not None:
-            mod.run_ranks = saved[1]
-    assert rc == 0, buf.getvalue()
-    return buf.getvalue()
 
 
 def _bounds(text: str) -> tuple[float, float]:

@@ -11,51 +11,19 @@ rounding); a verdict matches its number; and R5's predicted makespans lie within
 derived from first principles from the stage costs it printed; X3's first-step losses of
 autopar ZeRO-3 and of FSDP2 both equal the eager loss computed here.
 """
-import contextlib
-import importlib
-import io
 import re
 import statistics
 
 import pytest
 import torch
 
+from tests.dist.harness import run_pooled as _run
+
 # one xdist worker runs every benchmark smoke test with ranks, so they share one pool of gloo processes
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("benchmarks")]
 
 NUM = r"\d+\.\d+"
 
-
-def run_pooled(script: str, args: list[str], deadline_s: float = 120.0) -> str:
-    """``benchmarks/<script>``'s ``main(args)`` in this process, its ranks on this session's shared
-    pool of gloo processes (``tests/dist/harness.run_shared``: started and imported once, not per
-    script) instead of freshly spawned ones; returns what it printed. It must return 0."""
-    from autopar.runtime import spawn
-    from tests.dist.harness import run_shared
-
-    mod = importlib.import_module("benchmarks." + script.removesuffix(".py"))  # a module the ranks can import
-
-    def pooled(fn, world, *a, timeout_s=None, deadline_s=deadline_s, expect_failure=False):
-        assert not expect_failure
-        return run_shared(fn, world, *a, deadline_s=min(deadline_s, limit), reuse=False)
-
-    limit, saved = deadline_s, (spawn.run_ranks, getattr(mod, "run_ranks", None))
-    spawn.run_ranks = pooled  # the scripts import it at the top or inside main
-    if saved[1] is not None:
-        mod.run_ranks = pooled
-    buf = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(buf):
-            rc = mod.main(args)
-    finally:
-        spawn.run_ranks = saved[0]
-        if saved[1] is not None:
-            mod.run_ranks = saved[1]
-    assert rc == 0, buf.getvalue()
-    return buf.getvalue()
-
-
-_run = run_pooled
 
 
 def _bounds(text: str) -> tuple[float, float]:
