@@ -36,9 +36,17 @@ routed to expert ``e`` before dropping, ``P_e``: mean routing probability of ``e
 the expert-parallel form (``autopar.passes.expert_parallel``) overrides ``compute_experts`` only,
 so routing, capacity, dropping and combining stay this module's.
 
-``MoE`` is a static-shape, capacity-based token-choice top-k block; ``GroupedExperts`` holds the
+**Dropless mode** (``capacity_factor=None``): steps 3-6 become one graph op
+(``autopar.passes.moe_dispatch``) with a static ``[N, d]`` output whose inside is dynamic: every
+``(token, choice)`` assignment is computed by its expert (no drops, no padding), ``GroupedExperts``
+running each expert's GEMMs on exactly the rows routed to it; under expert parallelism the same op
+moves only the routed rows (uneven all-to-alls sized by the exchanged counts). The output equals
+``sum_j gate[n, j] * expert_{id[n, j]}(x[n])`` for every token, the same as a static-capacity block
+whose capacity never overflows.
+
+``MoE`` is a token-choice top-k block (static capacity, or dropless); ``GroupedExperts`` holds the
 ``E`` experts' SwiGLU weights batched; ``SwiGLU`` is the plain FFN used for shared experts.
-This module imports nothing else of autopar.
+This module imports nothing else of autopar but the dispatch op.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from autopar.passes import moe_dispatch
 
 __all__ = ["SwiGLU", "GroupedExperts", "MoE", "expert_capacity"]
 
@@ -99,6 +109,20 @@ class GroupedExperts(nn.Module):
         """Expert ``e`` alone on ``x[..., d]`` (for references and tests)."""
         return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
 
+    @staticmethod
+    def run_rows(params: dict, rows: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 counts: list[int]) -> torch.Tensor:
+        """Dropless form: row ``m`` of ``rows [M, d]`` through expert ``ids[m]`` (of the experts
+        in ``params``: ``w1, w3 [El, d, h]``, ``w2 [El, h, d]``) times ``weights[m]``;
+        ``counts[e]``: the rows of expert ``e``. Each expert's GEMMs run on the contiguous group
+        of its rows (sorted by expert)."""
+        w1, w3, w2 = params["w1"], params["w3"], params["w2"]
+        order = torch.argsort(ids, stable=True)
+        groups = rows.index_select(0, order).split(counts)
+        out = torch.cat([(F.silu(g @ w1[e]) * (g @ w3[e])) @ w2[e] for e, g in enumerate(groups)])
+        out = torch.empty_like(out).index_copy_(0, order, out)
+        return out * weights.to(out.dtype).unsqueeze(1)
+
 
 class MoE(nn.Module):
     """Token-choice top-k MoE with a static per-expert capacity; ``forward(x) -> (y, aux)``.
@@ -122,7 +146,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, d_model: int, expert_hidden: int, n_experts: int, top_k: int,
-                 n_shared_experts: int = 0, capacity_factor: float = 1.25,
+                 n_shared_experts: int = 0, capacity_factor: float | None = 1.25,
                  aux_loss_weight: float = 0.01, score_func: str = "softmax",
                  norm_topk_prob: bool = True, route_scale: float = 1.0,
                  n_groups: int = 1, topk_groups: int = 1, selection_bias: bool = False):
@@ -136,8 +160,8 @@ class MoE(nn.Module):
                              f"1 <= topk_groups={topk_groups} <= n_groups")
         if n_groups > 1 and top_k > topk_groups * (n_experts // n_groups):
             raise ValueError("top_k exceeds the experts in the selected groups")
-        if capacity_factor <= 0:
-            raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
+        if capacity_factor is not None and not capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be positive, or None for dropless, got {capacity_factor}")
         self.d_model = d_model
         self.n_experts = n_experts
         self.top_k = top_k
@@ -151,6 +175,10 @@ class MoE(nn.Module):
         self.router = nn.Linear(d_model, n_experts, bias=False)
         self.experts = GroupedExperts(d_model, expert_hidden, n_experts)
         self.shared_expert = SwiGLU(d_model, n_shared_experts * expert_hidden) if n_shared_experts else None
+        if capacity_factor is None:
+            e = self.experts
+            moe_dispatch.register_experts(e, GroupedExperts.run_rows, {"w1": e.w1, "w3": e.w3, "w2": e.w2},
+                                          type(self).__name__, n_experts, d_model)
         if selection_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         else:
@@ -250,10 +278,28 @@ class MoE(nn.Module):
         return self.aux_loss_weight * self.n_experts * (frac * probs.mean(dim=0)).sum()
 
     # -- forward -------------------------------------------------------------------------
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def routed_experts(self, xf: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Dropless: ``sum_j gates[n, j] * expert_{ids[n, j]}(xf[n])`` for every token, ``[N, d]``
+        (the expert-parallel form holds ``E / ep`` experts and passes its group)."""
+        ep = getattr(self, "ep", 1)
+        e = self.experts
+        return moe_dispatch.dropless_experts(xf, ids, gates, [e.w1, e.w3, e.w2], e._autopar_dispatch_key,
+                                             getattr(self, "ep_group", None), ep, self.n_experts // ep)
+
     def forward(self, x: torch.Tensor):
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
         ids, gates, probs = self.route(xf)
+        if self.dropless:
+            y = self.routed_experts(xf, ids, gates).to(xf.dtype)
+            if self.shared_expert is not None:
+                y = y + self.shared_expert(xf)
+            onehot = (ids.reshape(-1, 1) == torch.arange(self.n_experts, device=ids.device)).long()
+            return y.reshape(shape), self.balance_loss(onehot, probs)
         buf, slot_token, slot_gate, onehot = self.dispatch(xf, ids, gates, self.capacity(xf.shape[0]))
         out = self.compute_experts(buf)
         y = self.combine(xf, out, slot_token, slot_gate)

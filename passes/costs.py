@@ -16,6 +16,8 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from . import moe_dispatch
+
 # A crude CPU-ish roofline used only to *balance* stages against each other; the planner
 # (autopar.planner) owns the calibrated per-device model. Units: seconds.
 _BALANCE_FLOPS_PER_S = 1e11
@@ -95,7 +97,8 @@ def annotate_costs(gm: fx.GraphModule) -> fx.GraphModule:
                 else:
                     out = node.target(*args, **kwargs)
                 env[node] = _traced_layout(out, node.meta.get("val"))
-                node.meta["autopar_flops"] = counter.get_total_flops() - before
+                routed = moe_dispatch.dispatch_flops(node.target, args)
+                node.meta["autopar_flops"] = counter.get_total_flops() - before if routed is None else routed
                 node.meta["autopar_bytes"] = value_bytes(out)
             elif node.op == "get_attr":
                 env[node] = getattr(gm, node.target)

@@ -5,12 +5,13 @@ place and returns one ``ExpertShard`` per sharded parameter; ``moe_blocks(model)
 blocks it would shard (FQN, expert count) and ``refused_moe_blocks(model)`` the MoE-looking
 blocks it refuses (FQN, why). Two kinds of block are recognized:
 
-* ``autopar.nn.MoE`` (static capacity; it drops overflow tokens, and so does its EP form,
-  exactly as the single-process block): below;
+* ``autopar.nn.MoE`` with a static capacity (it drops overflow tokens, and so does its EP
+  form, exactly as the single-process block): below; and in dropless mode
+  (``capacity_factor=None``): the token-proportional dispatch op of passes/moe_dispatch.py,
+  which moves exactly the routed rows;
 * Hugging Face ``transformers`` blocks whose ``experts`` is a transformers experts module
   (``@use_experts_implementation``: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V3, ...): *dropless*,
-  with static buffers sized for the worst case; see passes/hf_moe.py for the dispatch and
-  its memory cost;
+  by the same op (see passes/hf_moe.py);
 * blocks whose ``experts`` beside a ``gate``/``router`` is an experts module of any other form
   that keeps the same contract (every parameter ``[E, ...]``, called as
   ``experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k])``, static shapes): the
@@ -25,8 +26,8 @@ differentiable all-to-all, so the captured graph holds the forward all-to-alls a
 ``split_backward``'s joint trace gets their backward all-to-alls for free (design.md §9).
 Parameter FQNs stay the model's own: a shard is the dim-0 slice of the full parameter.
 
-Dispatch of ``autopar.nn.MoE`` (one rank, its own ``N`` tokens; ``E`` experts, ``El = E / ep`` per rank, capacity
-``C`` from the local ``N`` exactly as ``MoE`` computes it):
+Dispatch of a static-capacity ``autopar.nn.MoE`` (one rank, its own ``N`` tokens; ``E`` experts,
+``El = E / ep`` per rank, capacity ``C`` from the local ``N`` exactly as ``MoE`` computes it):
 
 1. route, rank and drop the local tokens exactly as ``MoE`` does, filling the expert buffer
    ``buf [E, C, d]`` (expert-major; an empty slot is an all-zero row with gate 0);
@@ -77,7 +78,7 @@ import torch.nn as nn
 
 from autopar.nn import GroupedExperts, MoE
 
-from . import hf_moe
+from . import hf_moe, moe_dispatch
 
 log = logging.getLogger("autopar")
 
@@ -312,7 +313,7 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
     for name, prefix, experts in hf:
         apply = hf_moe.apply_hf_expert_parallel if hf_moe.is_hf_experts(experts) else \
             hf_moe.apply_generic_expert_parallel
-        for fqn, full_shape in apply(experts, prefix + ".", ep, ep_rank, group_name):
+        for fqn, full_shape in apply(experts, prefix + ".", ep, ep_rank, group_name, model.get_submodule(name)):
             shards[fqn] = ExpertShard(fqn, 0, full_shape, ep, ep_rank)
         n_local = hf_moe.expert_count(experts) // ep
         log.info("expert_parallel: %s (%s, dropless) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
@@ -333,6 +334,8 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
             shards[prefix + pname] = ExpertShard(prefix + pname, 0, tuple(p.shape), ep, ep_rank)
         m.__class__ = _ep_class(type(m))
         m.ep, m.ep_rank, m.ep_group = ep, ep_rank, group_name
+        if m.dropless:
+            moe_dispatch.set_layer_name(m.experts, name or "<root>")
         log.info("expert_parallel: %s keeps experts [%d, %d) of %d (ep=%d, rank %d)",
                  name or "<root>", lo, hi, m.n_experts, ep, ep_rank)
     return shards

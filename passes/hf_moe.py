@@ -21,16 +21,10 @@ per-expert biases or output scales ``[E, d]``) holds the ``E`` experts on dim 0,
 takes exactly ``(hidden_states [N, d], top_k_index [N, k], top_k_weights [N, k]) -> [N, d]``,
 its output is the sum over the ``k`` choices of a term of (token, expert, weight) and every
 shape in it is static. ``E`` is its ``num_experts``-like attribute (``_COUNT_ATTRS``) or else
-the leading dim of its first parameter. The dispatch is the one below, except that the routing
-weights travel with the rows (a third, differentiable all-to-all) and padding slots carry a
-*valid* local id 0 with weight 0 and a real row (this rank's token 0): the module's own code
-may index its weights with the id (``W[idx]``), a real token is as finite through an expert as
-the model's own tokens are (a zero row could meet a ``0 / 0`` in an expert without an eps), and
-``0 * finite`` is an exact 0 in the slot's output and in every gradient it sends back (the
-padding slots' outputs are never read). The receiving rank runs the module's own forward (``run_local_experts``) on
-its ``[ep * P]`` slots as ``k = 1`` with its parameters sliced to the local experts and its
-``num_experts``-like attributes set to ``El``; the owner sums its ``k`` slot results per
-token. The contract is checked before any process group work by running the forward on fake
+the leading dim of its first parameter. The receiving rank runs the module's own forward
+(``run_local_experts``) on the rows it received as ``k = 1`` with its parameters sliced to the
+local experts and its ``num_experts``-like attributes set to ``El``; the owner sums its ``k``
+results per token. The contract is checked before any process group work by running the forward on fake
 tensors (``FakeTensorMode``, no data, no shape environment): with all ``E`` experts when the
 block is scanned, and with ``E / ep`` when ``ep`` is known; ``nonzero()``, boolean masks,
 ``unique()``, ``.item()`` or Python control flow on tensor values raise there, and the block is
@@ -49,47 +43,22 @@ formula. Every shape is ``[N * k, ...]`` whatever the routing: one static graph.
 ``>= num_experts`` (a padding row: sorted to the tail, outside every group, its output
 zeroed), which is what this rewrite builds on.
 
-Dispatch, on one rank with its own ``N`` tokens (``E`` experts, ``El = E / ep`` per rank,
-``k`` choices per token, ``S = N * k`` assignments):
+Dispatch (both kinds): the expert-parallel module's forward is one ``autopar::moe_dispatch``
+graph op (passes/moe_dispatch.py): per-expert counts exchanged, the routed rows and their
+routing weights moved by uneven all-to-alls, the module's own forward (its
+``experts_implementation`` for a transformers module) on exactly the rows each rank received
+(``num_experts = El``, ``k = 1`` per row, the routing weight applied inside as the module
+does), the reverse all-to-all, and each token's ``k`` results summed in choice order, as the
+implementations do. So the result equals the unsharded module's up to the order of fp32 row
+products inside a matmul, no token is dropped whatever the routing, and per MoE block and
+microbatch a rank moves and keeps ``N * k`` routed rows on average (the count exchange adds
+``ep * E`` integers), not a worst-case buffer.
 
-1. every assignment ``s = n * k + j`` (the experts' own flattening) goes to rank
-   ``r = e // El`` of its expert ``e``, into slot ``r * P + (its position among this rank's
-   assignments to r, in order s)`` of a send buffer ``[ep * P, d]`` (the token's row) and of
-   an id buffer ``[ep * P]`` (``e % El``; empty slots: zero rows and the sentinel id ``El``);
-2. two even all-to-alls (rows, differentiable; ids, integer) bring this rank ``[ep * P]``
-   slots for its ``El`` experts, chunk ``i`` from rank ``i``;
-3. the experts module's own implementation runs on them with ``num_experts = El``, weight 1
-   per row and ``_is_expert_parallel`` set (sentinel rows are skipped by ``grouped_mm`` and
-   zeroed);
-4. the inverse all-to-all returns every slot to the rank that owns its token; each assignment
-   reads its slot, is multiplied by its routing weight and the ``k`` of a token are summed
-   (``view(N, k, d).sum(1)``, as the implementations do), so the result equals the unsharded
-   module's up to the order of fp32 row products inside a matmul.
-
-Dropless, and why the buffers are static: a token picks ``k`` *distinct* experts, at most
-``min(k, El)`` of them on one rank, so one rank can send at most ``P = N * min(k, El)``
-assignments to another: with ``P`` slots per (source, destination) pair no token is ever
-dropped, whatever the routing (all tokens on one rank's experts, or a rank receiving none).
-The split sizes are then static (every rank sends ``P`` rows to every rank), no count
-exchange is needed, and the captured graph keeps static shapes, which the stage split, the
-memory model and the runtime rely on. An uneven all-to-all would move only real rows, but
-its output size is data-dependent, which a static graph cannot hold; the receive side would
-need the same worst-case buffer anyway.
-
-What it costs: per MoE block and microbatch, the send and receive buffers hold
-``ep * P = ep * N * min(k, El)`` rows instead of ``S = N * k``, i.e. ``ep * min(k, El) / k``
-times the dropless minimum (2x at ep=2, k=2, E=4; ``ep`` whenever ``El >= k``, e.g.
-8x for DeepSeek-V3's E=256, k=8 at ep=8), and so do the expert activations saved for backward
-(``[ep * P, 2h]`` and ``[ep * P, h]`` per block) and the bytes on the wire (padding travels,
-plus ``ep * P`` int64 expert ids).
-``grouped_mm`` computes only the real rows (the padding lies past the last group offset);
-``batched_mm`` computes every row, padding included. The router, the shared experts and the
-combine are unchanged (``[N, ...]``).
-
-Gradients: the all-to-alls are ``all_to_all_single_autograd``, so the joint trace holds their
-backward (design.md §9) and an expert parameter's gradient on a rank already sums the
-tokens of every rank of its EP group; the data-parallel owner then sums it over the replicas
-holding the same experts, like ``autopar.nn.MoE``'s (see passes/expert_parallel.py).
+Gradients: the op's backward is two ops, the input gradient (reverse all-to-alls) in I and the
+expert weights' gradient in W without communication, so an expert parameter's gradient on a
+rank already sums the tokens of every rank of its EP group; the data-parallel owner then sums
+it over the replicas holding the same experts, like ``autopar.nn.MoE``'s (see
+passes/expert_parallel.py).
 """
 from __future__ import annotations
 
@@ -100,10 +69,12 @@ import weakref
 import torch
 import torch.nn as nn
 
+from . import moe_dispatch
+
 log = logging.getLogger("autopar")
 
 __all__ = ["STATIC_IMPLEMENTATIONS", "is_hf_experts", "hf_refusal", "hf_expert_count", "apply_hf_expert_parallel",
-           "slots_per_pair", "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel"]
+           "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel"]
 
 STATIC_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 _SIGNATURE = ("self", "hidden_states", "top_k_index", "top_k_weights")
@@ -176,12 +147,6 @@ def hf_refusal(module: nn.Module) -> str | None:
     return None
 
 
-def slots_per_pair(num_tokens: int, top_k: int, n_local: int) -> int:
-    """``P``: the most assignments one rank can send to another (distinct experts per token)."""
-    return num_tokens * min(top_k, n_local)
-
-
-
 def _check_call(module, hidden_states, top_k_index, top_k_weights) -> None:
     """The experts' call contract: hidden_states [N, d], top_k_index and top_k_weights [N, k]."""
     if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
@@ -190,26 +155,22 @@ def _check_call(module, hidden_states, top_k_index, top_k_weights) -> None:
                          f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
                          f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
 
-def _route(top_k_index: torch.Tensor, ep: int, n_local: int, pad_token: int, pad_expert: int):
-    """Where every assignment goes (module docstring, step 1), static shapes: ``(P, slot [S],
-    slot_token [ep * P], slot_expert [ep * P])``; ``slot[s]`` is the send-buffer slot of
-    assignment ``s = token * k + choice``, and an empty slot holds token ``pad_token`` and
-    local expert id ``pad_expert``."""
-    n, k = top_k_index.shape
-    pair = slots_per_pair(n, k, n_local)  # P: static, so no token is ever dropped
-    n_slots = ep * pair
-    dev = top_k_index.device
-    expert = top_k_index.reshape(-1)  # [S], assignment s = token * k + choice
-    dest = torch.div(expert, n_local, rounding_mode="floor")  # the rank holding the expert
-    onehot = (dest.unsqueeze(1) == torch.arange(ep, device=dev)).long()  # [S, ep]
-    rank_in_dest = onehot.cumsum(dim=0).gather(1, dest.unsqueeze(1)).squeeze(1) - 1  # < P by construction
-    slot = dest * pair + rank_in_dest  # [S] distinct slots in [0, ep * P)
-    assignment = torch.arange(n * k, device=dev)
-    slot_token = torch.full((n_slots,), pad_token, dtype=torch.long, device=dev).scatter(
-        0, slot, torch.div(assignment, k, rounding_mode="floor"))
-    slot_expert = torch.full((n_slots,), pad_expert, dtype=torch.long, device=dev).scatter(
-        0, slot, expert - dest * n_local)
-    return pair, slot, slot_token, slot_expert
+def _dispatch(module, hidden_states, top_k_index, top_k_weights, n_local: int) -> torch.Tensor:
+    """The token-proportional dropless dispatch (passes/moe_dispatch.py) of an expert-parallel
+    experts module: its rows go to the ranks of their experts, whose own code runs on them."""
+    params = dict(module.named_parameters())
+    spec_names = moe_dispatch.registered_names(module)
+    return moe_dispatch.dropless_experts(hidden_states, top_k_index, top_k_weights, [params[n] for n in spec_names],
+                                         module._autopar_dispatch_key, module.ep_group, module.ep, n_local)
+
+
+def _register(experts: nn.Module, block: nn.Module | None, layer: str, n_experts: int, n_local: int) -> None:
+    """Register the module's own forward as its local runner (``k = 1`` per received row)."""
+    params = dict(experts.named_parameters())
+    run = moe_dispatch.module_runner(experts, run_local_experts)
+    config = getattr(experts, "config", None)
+    d = getattr(config, "hidden_size", None) or _hidden_size_candidates(experts, block, n_experts)[0]
+    moe_dispatch.register_experts(experts, run, params, layer, n_experts, d)
 
 
 class HFExpertParallel:
@@ -223,25 +184,8 @@ class HFExpertParallel:
     ep_experts: int  # global E; ``num_experts`` is the local El (what the implementations index)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
-
         _check_call(self, hidden_states, top_k_index, top_k_weights)
-        n, d = hidden_states.shape
-        k = top_k_index.shape[1]
-        ep, n_local = self.ep, self.num_experts
-        # slot -> token filling it (n: the zero pad row), and the local expert id (n_local: sentinel)
-        pair, slot, slot_token, slot_expert = _route(top_k_index, ep, n_local, n, n_local)
-        n_slots = ep * pair
-        x_pad = torch.cat([hidden_states, hidden_states.new_zeros(1, d)], dim=0)
-        send = x_pad.index_select(0, slot_token)  # [ep * P, d]; rows [j*P, (j+1)*P) go to rank j
-        splits = [pair] * ep
-        recv = all_to_all_single_autograd(send, splits, splits, self.ep_group)
-        recv_expert = all_to_all_single(slot_expert, splits, splits, self.ep_group)
-        ones = top_k_weights.new_ones(n_slots, 1)
-        out = super().forward(recv, recv_expert.unsqueeze(1), ones)  # this rank's experts, sentinels zero
-        back = all_to_all_single_autograd(out, splits, splits, self.ep_group)  # chunk j: our rows from rank j
-        per_assignment = back.index_select(0, slot) * top_k_weights.reshape(-1, 1)
-        return per_assignment.view(n, k, d).sum(dim=1).to(hidden_states.dtype)
+        return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.num_experts)
 
     def extra_repr(self) -> str:
         lo = self.ep_rank * self.num_experts
@@ -261,7 +205,8 @@ def _ep_class(cls: type) -> type:
     return _EP_CLASSES[cls]
 
 
-def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None):
+def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
+                             block: nn.Module | None = None):
     """Keep this rank's ``E / ep`` experts of one recognized transformers experts module, in
     place (``hf_refusal(experts) is None`` and ``E % ep == 0`` checked by the caller); returns
     ``[(fqn, full_shape)]`` of the sharded parameters (``prefix`` ends with ``experts.``).
@@ -281,7 +226,7 @@ def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: 
         experts.__class__ = _ep_class(type(experts))
         experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = ep, ep_rank, group_name, n_experts
         experts.num_experts = n_local
-        experts._is_expert_parallel = True
+        _register(experts, block, prefix[:-len(".experts.")] or "<root>", n_experts, n_local)
     return sharded
 
 
@@ -462,30 +407,11 @@ class GenericExpertParallel:
     ep_local: int  # El
 
     def forward(self, *args, **kwargs):
-        from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
-
         bound = _signature(self).bind(self, *args, **kwargs)
         bound.apply_defaults()
         hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:]
         _check_call(self, hidden_states, top_k_index, top_k_weights)
-        n, d = hidden_states.shape
-        k = top_k_index.shape[1]
-        ep, n_local = self.ep, self.ep_local
-        # padding slots: token 0 (a real row), local expert 0 (valid for W[idx]), weight 0
-        pair, slot, slot_token, slot_expert = _route(top_k_index, ep, n_local, 0, 0)
-        n_slots = ep * pair
-        slot_assignment = torch.full((n_slots,), n * k, dtype=torch.long, device=hidden_states.device).scatter(
-            0, slot, torch.arange(n * k, device=hidden_states.device))
-        send = hidden_states.index_select(0, slot_token)  # [ep * P, d]; rows [j*P, (j+1)*P) go to rank j
-        w_pad = torch.cat([top_k_weights.reshape(-1), top_k_weights.new_zeros(1)])
-        send_w = w_pad.index_select(0, slot_assignment)  # [ep * P], 0 on padding
-        splits = [pair] * ep
-        recv = all_to_all_single_autograd(send, splits, splits, self.ep_group)
-        recv_w = all_to_all_single_autograd(send_w, splits, splits, self.ep_group)
-        recv_expert = all_to_all_single(slot_expert, splits, splits, self.ep_group)
-        out = run_local_experts(self, recv, recv_expert, recv_w)
-        back = all_to_all_single_autograd(out, splits, splits, self.ep_group)  # chunk j: our rows from rank j
-        return back.index_select(0, slot).view(n, k, d).sum(dim=1)
+        return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.ep_local)
 
     def extra_repr(self) -> str:
         lo = self.ep_rank * self.ep_local
@@ -507,7 +433,8 @@ def _generic_class(cls: type) -> type:
     return _GENERIC_CLASSES[cls]
 
 
-def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None):
+def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
+                                  block: nn.Module | None = None):
     """Keep this rank's ``E / ep`` experts of an experts module of another form, in place
     (``generic_refusal(experts, block, ep) is None`` and ``E % ep == 0`` checked by the caller):
     every parameter, its children's included, becomes a copy of its dim-0 slice (a parameter
@@ -532,4 +459,5 @@ def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_r
         experts.__class__ = _generic_class(type(experts))
         experts.ep, experts.ep_rank, experts.ep_group = ep, ep_rank, group_name
         experts.ep_experts, experts.ep_local = n_experts, n_local
+        _register(experts, block, prefix[:-len(".experts.")] or "<root>", n_experts, n_local)
     return sharded

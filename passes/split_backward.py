@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import keys
+from . import keys, moe_dispatch
 from .costs import annotate_costs, graph_flops, is_random, value_bytes
 from .program import Program, StageInfo, StageProgram
 from .split_stages import StageGraph
@@ -123,9 +123,12 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         raise ValueError(f"autopar: stage {stage.index} has random ops (dropout?); recomputation would replay "
                          "them with different random numbers. Use recompute=False for this stage.")
     fwd_set = _ancestors(fwd_outs)
-    gin_anc = _ancestors(gin_nodes)
-    gpar_anc = _ancestors(gpar_nodes)
-    f_nodes = fwd_set
+    # with recompute, a forward op that communicates or keeps state outside the graph (the MoE dispatch) is
+    # never run again: its results are saved like a kept input, and the recomputation stops there
+    kept = _never_recomputed(fwd_set) if recompute else set()
+    gin_anc = _ancestors(gin_nodes, stop=kept)
+    gpar_anc = _ancestors(gpar_nodes, stop=kept)
+    f_nodes = fwd_set | kept  # (a kept op's result only the backward reads is taken in F)
     i_nodes = gin_anc if recompute else gin_anc - fwd_set
     w_nodes = gpar_anc - i_nodes if recompute else gpar_anc - fwd_set - i_nodes
     b_nodes = i_nodes | w_nodes
@@ -167,7 +170,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
                       f"stage{stage.index}_B")
     if recompute:
         for prog in (i_prog, w_prog, b_prog):
-            bad = [k for k in prog.args if keys.is_kind(k, keys.SAVED)]
+            bad = [k for k in prog.args if keys.is_kind(k, keys.SAVED) and k not in {key_of(n) for n in kept}]
             assert not bad or prog is w_prog, f"recompute stage reads saved forward values {bad}"
 
     saved_f = sum(value_bytes(n.meta.get("val")) for n in f_saved)
@@ -253,13 +256,20 @@ def _is_float(v) -> bool:
     return isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
 
 
-def _ancestors(nodes) -> set[fx.Node]:
-    """call_function ancestors of `nodes` (inclusive)."""
+def _never_recomputed(fwd_set: set[fx.Node]) -> set[fx.Node]:
+    """Forward nodes a recomputing I/W must read as saved values: the MoE dispatch ops (they
+    communicate and keep the routed rows outside the graph) and the results taken from them."""
+    ops = {n for n in fwd_set if moe_dispatch.is_dispatch_node(n)}
+    return ops | {u for n in ops for u in n.users if u.target is operator.getitem}
+
+
+def _ancestors(nodes, stop=frozenset()) -> set[fx.Node]:
+    """call_function ancestors of `nodes` (inclusive), not walking into ``stop``."""
     seen: set[fx.Node] = set()
     stack = [n for n in nodes if isinstance(n, fx.Node)]
     while stack:
         n = stack.pop()
-        if n in seen or n.op != "call_function":
+        if n in seen or n.op != "call_function" or n in stop:
             continue
         seen.add(n)
         stack.extend(n.all_input_nodes)

@@ -19,6 +19,7 @@ Qwen3-MoE no token of a microbatch picks expert 3, so rank 1 (experts 2, 3) rece
 tokens for it; in DeepSeek-V3 the selection bias sends every token to group {0, 1}, so rank 1
 receives no token at all and rank 0's buffers are full (a capacity-based block would drop).
 """
+import contextlib
 import functools
 
 import pytest
@@ -32,9 +33,56 @@ pytestmark = pytest.mark.slow
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 BATCH, SEQ, LR = 8, 8, 1.0
-PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2),
-         4: dict(pp=2, dp=2, ep=2, schedule="zb-h1", num_microbatches=2)}
-WORLD_MODELS = {2: MODELS + ("custom",), 4: ("mixtral", "deepseek_v3", "custom")}
+PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=1),
+         4: dict(pp=2, dp=2, ep=2, schedule="zb-h1", num_microbatches=2, zero=3)}
+WORLD_MODELS = {2: MODELS + ("custom", "dropless"), 4: ("mixtral", "deepseek_v3", "custom", "dropless")}
+VOCAB_DROPLESS, D_DROPLESS = 64, 16
+
+
+class DroplessLM(nn.Module):
+    """embedding -> two dropless ``autopar.nn.MoE`` blocks (4 experts, top-2 = E / ep, one
+    shared expert in the first) -> head; returns (logits, load-balance loss). The first block's
+    router never picks experts 2 and 3 (a constant feature on dim 0 that their router rows score
+    -100), so EP rank 1 receives no token in it; the second routes freely."""
+
+    def __init__(self):
+        super().__init__()
+        from autopar.nn import MoE
+
+        self.embed = nn.Embedding(VOCAB_DROPLESS, D_DROPLESS)
+        self.moe0 = MoE(D_DROPLESS, 24, 4, 2, n_shared_experts=1, capacity_factor=None, aux_loss_weight=0.1)
+        self.mix = nn.Linear(D_DROPLESS, D_DROPLESS)
+        self.moe1 = MoE(D_DROPLESS, 24, 4, 2, capacity_factor=None, aux_loss_weight=0.1)
+        self.head = nn.Linear(D_DROPLESS, VOCAB_DROPLESS)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        y, a0 = self.moe0(h)
+        h = self.mix(h + y)
+        y, a1 = self.moe1(h)
+        return self.head(h + y), a0 + a1
+
+
+def _dropless_loss(out, target):
+    logits, aux = out
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) + aux
+
+
+def _dropless_case():
+    from tests.models import ModelCase
+
+    torch.manual_seed(0)
+    model = DroplessLM()
+    with torch.no_grad():
+        model.embed.weight[:, 0] = 0.1
+        model.moe0.router.weight[2:, 0] = -100.0
+        for e in (model.moe0.experts, model.moe1.experts):  # experts that matter against the residual
+            for w in (e.w1, e.w3, e.w2):
+                w.mul_(4.0)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB_DROPLESS, (BATCH, SEQ), generator=g)
+    target = torch.randint(0, VOCAB_DROPLESS, (BATCH, SEQ), generator=g)
+    return ModelCase(name="dropless", model=model, inputs=(ids,), target=target, loss_fn=_dropless_loss)
 
 
 class LoopExperts(nn.Module):
@@ -120,6 +168,8 @@ def make_case(name: str):
     skewed Mixtral with ``custom_experts``."""
     from tests.hf_models import make_hf
 
+    if name == "dropless":
+        return _dropless_case()
     case = make_hf("mixtral" if name == "custom" else name, seed=0, batch=BATCH, seq=SEQ)
     model = case.model
     with torch.no_grad():
@@ -180,13 +230,86 @@ def _train_all(rank, world, plan, names):
                                      optimizer=functools.partial(torch.optim.SGD, lr=LR),
                                      plan=autopar.Plan(**plan), example_target=case.target)
             ep = pm.built.parallelisms["ep"]
-            losses = [pm.step(case.inputs, case.target) for _ in range(2)]
+            with _recording_all_to_alls() as wire:
+                losses = [pm.step(case.inputs, case.target)]
+            losses.append(pm.step(case.inputs, case.target))
             local = {f: tuple(p.shape) for f, p in ep.params.items()}
             out[name] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
-                         "local_shapes": local}
+                         "local_shapes": local, "wire": wire}
         except Exception:  # noqa: BLE001 - report per sub-case, keep the group going
             out[name] = traceback.format_exc()
     return out
+
+
+@contextlib.contextmanager
+def _recording_all_to_alls():
+    """Every ``all_to_all_single`` of this process while inside: (received rows' shape, output
+    splits, input splits, bytes received)."""
+    import torch.distributed as dist
+
+    calls, real = [], dist.all_to_all_single
+
+    def spy(output, input, output_split_sizes=None, input_split_sizes=None, **kw):
+        calls.append((tuple(output.shape), tuple(output_split_sizes or ()), tuple(input_split_sizes or ()),
+                      output.numel() * output.element_size()))
+        return real(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = spy
+    try:
+        yield calls
+    finally:
+        dist.all_to_all_single = real
+
+
+def _dropless_routing(world_dp: int, m: int):
+    """``[block][microbatch][dp rank] -> per-expert assignment counts`` of the eager dropless
+    model's first forward (its routers' top-2 of softmax, as ``MoE.route``)."""
+    from tests.reference import split_batch
+
+    case = _dropless_case()
+    blocks = [case.model.moe0, case.model.moe1]
+    seen = []
+    hooks = [b.router.register_forward_hook(lambda mod, args, out, i=i: seen.append((i, out.float().softmax(-1))))
+             for i, b in enumerate(blocks)]
+    parts = split_batch(case.inputs[0], world_dp, m)
+    counts = [[[None] * world_dp for _ in range(m)] for _ in blocks]
+    with torch.no_grad():
+        for r in range(world_dp):
+            for j in range(m):
+                seen.clear()
+                case.model(parts[r][j])
+                for i, probs in seen:
+                    counts[i][j][r] = torch.bincount(probs.topk(2, dim=-1).indices.reshape(-1), minlength=4).tolist()
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def _check_dropless_wire(per_rank, dp: int, m: int):
+    """E1: the rows each rank receives in every dispatch are exactly the rows the eager router
+    sends to its experts (and the combine returns exactly its own tokens' assignments), and the
+    buffers moved stay within 1.1x the routed rows' bytes (rows + routing weights) plus the counts."""
+    from collections import Counter
+
+    counts = _dropless_routing(dp, m)
+    n_local = 4 // dp
+    for r, res in enumerate(per_rank):
+        wire = res["dropless"]["wire"]
+        rows = Counter((out, inp) for shape, out, inp, _b in wire if len(shape) == 2 and shape[1] == D_DROPLESS)
+        want = Counter()
+        routed_bytes = 0
+        for block in counts:
+            for mb in block:
+                recv = tuple(sum(mb[src][r * n_local:(r + 1) * n_local]) for src in range(dp))
+                send = tuple(sum(mb[r][dst * n_local:(dst + 1) * n_local]) for dst in range(dp))
+                want[(recv, send)] += 2  # F's dispatch and I's output gradients
+                want[(send, recv)] += 2  # F's combine and I's input gradients
+                routed_bytes += 4 * (D_DROPLESS + 1) * (2 * sum(recv) + 2 * sum(send))
+        assert rows == want, f"rank {r}: rows on the wire {dict(rows)} != routed {dict(want)}"
+        if r == 1:
+            assert any(out == (0, 0) for out, _inp in rows), "rank 1 should receive no row in block 0"
+        moved = sum(b for _s, _o, _i, b in wire)
+        assert moved <= 1.1 * routed_bytes, (r, moved, routed_bytes)
 
 
 def _reference(name: str, dp: int, m: int):
@@ -252,3 +375,5 @@ def test_routing_skew_gives_zero_token_experts():
 @pytest.mark.parametrize("world, name", [(w, n) for w in sorted(PLANS) for n in WORLD_MODELS[w]])
 def test_hf_ep_matches_eager(world, name):
     _check(name, PLANS[world], _results(world))
+    if name == "dropless" and world == 2:
+        _check_dropless_wire(_results(world), PLANS[world]["dp"], PLANS[world]["num_microbatches"])

@@ -1,0 +1,468 @@
+"""Token-proportional dropless MoE dispatch: the experts of one MoE block as one graph op.
+
+``dropless_experts(x [N, d], ids [N, k], weights [N, k], params, key, group, ep, n_local)``
+returns ``[N, d]``, ``sum_j weights[n, j] * expert_{ids[n, j]}(x[n])`` (the experts' own
+contract: the weight is applied inside the experts' code), computed by the experts that this
+rank and its ``ep - 1`` peers of the EP group hold (``n_local = E / ep`` each, expert ``e`` on
+group rank ``e // n_local``). Its output shape is static (the block's), so it is one node of a
+static captured graph; its inside is dynamic:
+
+1. **count exchange**: every rank all-gathers the per-expert counts of its ``N * k``
+   assignments (``[ep, E]`` int64), so every rank knows every receive size, and a receive
+   bound fails on every rank at once, naming the layer and the counts;
+2. **dispatch**: the assignments, sorted by expert (so by destination rank, then local expert),
+   leave as rows of ``x`` (a token chosen twice by one rank's experts travels twice) with their
+   routing weights, in one uneven ``all_to_all_single`` each: a rank receives exactly the rows
+   routed to its experts, ``N * k`` on average over the group;
+3. **local experts**: the experts' own code (a transformers implementation, the user's module,
+   or ``GroupedExperts``' per-expert GEMMs over the sorted groups) runs on exactly those rows,
+   ``k = 1`` per row, with the parameter values the graph passes (compute copies, ZeRO-3
+   gathers), under a private autograd graph;
+4. **combine**: the reverse uneven all-to-all returns every row to its token's rank, which sums
+   each token's ``k`` rows in choice order, as the experts' implementations do.
+
+Memory and traffic are the routed rows: per rank and MoE block, ``N * k`` rows of ``d`` each way
+(plus the weights and the ``ep * E`` counts), and the experts' activations of the received rows,
+instead of the ``ep * N * min(k, E/ep)`` rows of a worst-case static buffer.
+
+**Backward, split in two** (so the stage's I/W split holds; design.md §3):
+
+* ``moe_dispatch_grad_input`` (in I): each assignment's output gradient (its token's) goes to
+  the expert's rank by the forward's splits, the private graph gives the gradients of the
+  received rows and weights only (no weight-gradient GEMM runs: autograd computes what the
+  requested inputs need), and the reverse all-to-all returns them; the owner sums a token's
+  rows;
+* ``moe_dispatch_grad_weight`` (in W): the expert parameter gradients from the saved received
+  rows and the gradients I received, with no communication. The private graph's path back to
+  the first GEMM's output is walked again here (for SwiGLU experts, one input-gradient GEMM of
+  the second matrix and the activation's backward: about a fifth of the experts' backward
+  FLOPs), the price of running the user's own expert code instead of a hand-derived backward.
+
+What travels from F to I and W inside the graph is a scalar int64 *handle* (CPU); the dynamic
+state (received rows, the private graph, splits) lives in a per-process table keyed by it,
+removed by W (or by I when no expert parameter is trained). ``clear()`` drops what a failed
+step left behind. The state's bytes are what the planner prices per routed row
+(``routed_info``); ``receive_stats()`` is the largest receive since the last ``reset_stats()``
+against the mean, for ``pm.metrics``.
+
+With ``ep == 1`` (no group) no communication happens: a dropless single-process MoE.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+log = logging.getLogger("autopar")
+
+__all__ = ["register_experts", "dropless_experts", "routed_info", "RoutedInfo", "receive_stats", "reset_stats",
+           "clear", "set_receive_bound", "registered_names", "set_layer_name", "module_runner", "probe_row_costs",
+           "live_handles", "is_dispatch_node", "ReceiveBoundError"]
+
+
+class ReceiveBoundError(RuntimeError):
+    """A rank would receive more routed rows than the bound of its MoE layer allows."""
+
+
+@dataclass
+class _Experts:
+    """One registered experts module: how to run its local experts on received rows."""
+
+    run: Callable  # (params {name: tensor}, rows [M, d], local ids [M], weights [M], rows per local expert) -> [M, d]
+    names: tuple[str, ...]  # parameter names, in the order the op receives their values
+    layer: str  # the block's FQN, for errors and metrics
+    n_experts: int  # global E
+    flops_per_row: int  # forward FLOPs of one row through one expert (2 * elements of one expert)
+    saved_row_elems: int  # elements saved from F to W per received row (row + expert activations)
+    receive_bound: float | None = None  # most received rows, as a multiple of the mean (None: unbounded)
+
+
+_REGISTRY: dict[int, _Experts] = {}
+_KEYS = itertools.count(1)
+_HANDLES = itertools.count(1)
+
+
+@dataclass
+class _State:
+    layer: str
+    rows: torch.Tensor  # received rows (leaf of the private graph)
+    weights: torch.Tensor  # received routing weights (leaf)
+    params: list  # parameter leaves of the private graph
+    out: torch.Tensor  # the local experts' output on the received rows
+    order: torch.Tensor  # [S] sorted position -> assignment (token * k + choice)
+    send: list[int]  # rows sent to each group rank
+    recv: list[int]  # rows received from each group rank
+    grad_rows: torch.Tensor | None = None  # set by I: the output gradients W needs
+    extra: dict = field(default_factory=dict)
+
+
+_STATE: dict[int, _State] = {}
+_STATS = {"max": 0, "rows": 0, "calls": 0, "layer": ""}
+
+
+def register_experts(module, run: Callable, params: dict, layer: str, n_experts: int, d: int) -> int:
+    """Register an experts module's local runner ``run(params, rows [M, d], local ids [M],
+    weights [M]) -> [M, d]`` over its parameters ``params`` (name -> tensor, in the order the op
+    will take their values); returns the key ``dropless_experts`` takes. Its per-row FLOPs and
+    saved bytes (what the planner prices) are measured here on fake tensors. The module keeps
+    the key as ``_autopar_dispatch_key``; copies of it share the entry (held strongly: the
+    parameter values always come from the graph)."""
+    first = next(iter(params.values()))
+    try:
+        flops, saved = probe_row_costs(run, params, d, int(first.shape[0]), first.dtype)
+    except Exception as e:  # noqa: BLE001 - the user's code on fake tensors: fall back to the weights' count
+        flops = 2 * sum(p.numel() // max(int(p.shape[0]), 1) for p in params.values())
+        saved = d + flops // (2 * max(d, 1))
+        log.info("moe_dispatch: %s: per-row costs from its weights (%d FLOPs, %d saved elements a row): the fake "
+                 "probe raised %s", layer, flops, saved, type(e).__name__)
+    key = next(_KEYS)
+    _REGISTRY[key] = _Experts(run, tuple(params), layer, int(n_experts), flops, saved)
+    module._autopar_dispatch_key = key
+    return key
+
+
+def set_layer_name(module, layer: str) -> None:
+    _REGISTRY[module._autopar_dispatch_key].layer = layer
+
+
+def registered_names(module) -> tuple[str, ...]:
+    """The parameter names, in the order the op takes their values, of a registered module."""
+    return _REGISTRY[module._autopar_dispatch_key].names
+
+
+def module_runner(module, call: Callable) -> Callable:
+    """A runner calling ``call(module, rows [M, d], local ids [M], weights [M])`` (an experts
+    module's own code) with the module's parameters replaced by the values the graph passes."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    def run(params, rows, local_ids, weights, _counts):
+        with _reparametrize_module(module, params):
+            return call(module, rows, local_ids, weights)
+
+    return run
+
+
+def probe_row_costs(run: Callable, params: dict, d: int, n_local: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(forward FLOPs, elements saved for backward) per routed row of a runner, measured on fake
+    tensors as the difference between 2M and M rows (exact for experts that are linear in the
+    row count, as every per-row expert is); ``params`` real or meta tensors (never read)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = {n: mode.from_tensor(p) for n, p in params.items()}
+    rows = 4 * max(n_local, 1)
+    costs = []
+    compiling, torch.compiler._is_compiling_flag = torch.compiler._is_compiling_flag, True  # as under export
+    try:
+        costs = _probe_runs(run, mode, fake, d, n_local, dtype, rows)
+    finally:
+        torch.compiler._is_compiling_flag = compiling
+    (f1, s1), (f2, s2) = costs
+    return (f2 - f1) // rows, (s2 - s1) // rows + d  # + d: the received row, kept for W
+
+
+def _probe_runs(run, mode, fake, d, n_local, dtype, rows):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    costs = []
+    for m in (rows, 2 * rows):
+        saved = [0]
+
+        def pack(t):  # the weights it saves cancel in the difference
+            saved[0] += t.numel()
+            return t
+
+        with mode, FlopCounterMode(display=False) as counter, torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            leaves = {n: p.detach().requires_grad_(p.is_floating_point()) for n, p in fake.items()}
+            x = torch.empty(m, d, dtype=dtype).requires_grad_()
+            w = torch.empty(m, dtype=dtype).requires_grad_()
+            ids = torch.arange(m) % max(n_local, 1)
+            run(leaves, x, ids, w, [m // max(n_local, 1)] * max(n_local, 1))
+        costs.append((counter.get_total_flops(), saved[0]))
+    return costs
+
+
+def set_receive_bound(module, factor: float | None) -> None:
+    """Fail (``ReceiveBoundError``, on every rank of the group at once) when a rank would receive
+    more than ``factor`` times the mean routed rows in this experts module; None: unbounded."""
+    if factor is not None and not factor >= 1:
+        raise ValueError(f"autopar: a receive bound is a multiple of the mean receive, >= 1; got {factor!r}")
+    _REGISTRY[module._autopar_dispatch_key].receive_bound = factor
+
+
+def receive_stats() -> dict:
+    """The largest receive (rows) of one rank in one dispatch since ``reset_stats()``, the mean
+    receive per dispatch, their ratio and the layer of the largest."""
+    mean = _STATS["rows"] / _STATS["calls"] if _STATS["calls"] else 0.0
+    return {"max_rows": _STATS["max"], "mean_rows": mean, "ratio": _STATS["max"] / mean if mean else 0.0,
+            "layer": _STATS["layer"], "dispatches": _STATS["calls"]}
+
+
+def reset_stats() -> None:
+    _STATS.update(max=0, rows=0, calls=0, layer="")
+
+
+def clear() -> None:
+    """Drop every live dispatch state (what a failed or forward-only step left behind)."""
+    _STATE.clear()
+
+
+def live_handles() -> int:
+    return len(_STATE)
+
+
+@contextlib.contextmanager
+def _autograd_inside():
+    """Autograd inside a custom op's kernel (the dispatcher runs it below the autograd keys)."""
+    dk = torch._C.DispatchKey
+    keys = [dk.AutogradCPU, dk.AutogradCUDA, dk.ADInplaceOrView, dk.AutogradFunctionality]
+    prev = [torch._C._dispatch_tls_is_dispatch_key_excluded(k) for k in keys]
+    try:
+        for k in keys:
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, False)
+        with torch.enable_grad():
+            yield
+    finally:
+        for k, v in zip(keys, prev):
+            torch._C._dispatch_tls_set_dispatch_key_excluded(k, v)
+
+
+def _group(name: str | None):
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._resolve_process_group(name)
+
+
+def _all_to_all(t: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+    dist.all_to_all_single(out, t.contiguous(), recv, send, group=group)
+    return out
+
+
+def _exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
+    """``[ep, E]``: row ``i`` the per-expert assignment counts of group rank ``i``."""
+    if ep == 1:
+        return counts.unsqueeze(0)
+    import torch.distributed as dist
+
+    out = counts.new_empty(ep * counts.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # (the name before torch 2.13)
+    gather(out, counts, group=group)
+    return out.view(ep, counts.numel())
+
+
+def _check_bound(spec: _Experts, table: torch.Tensor, ep: int, n_local: int) -> list[int]:
+    """Rows each group rank receives (``table [ep, E]``); ReceiveBoundError on every rank when
+    one exceeds the bound; records the stats."""
+    per_rank = table.view(ep, ep, n_local).sum(dim=(0, 2)).tolist()  # destination rank -> rows
+    mean = sum(per_rank) / ep
+    worst = max(per_rank)
+    _STATS["calls"] += 1
+    _STATS["rows"] += mean
+    if worst > _STATS["max"]:
+        _STATS["max"], _STATS["layer"] = worst, spec.layer
+    if spec.receive_bound is not None and worst > spec.receive_bound * mean:
+        who = per_rank.index(worst)
+        raise ReceiveBoundError(
+            f"autopar: MoE layer {spec.layer}: EP group rank {who} would receive {worst} routed rows, "
+            f"{worst / mean:.2f}x the mean {mean:.1f} (per-rank receives {per_rank}), over the bound of "
+            f"{spec.receive_bound}x the mean the plan's memory was priced for; raise the bound "
+            "(Plan.moe_imbalance / autopar plan --moe-imbalance), use more balanced routing (a load-balance loss or "
+            "selection bias), or a static-capacity MoE that drops the overflow")
+    return per_rank
+
+
+def _forward(x, ids, weights, params, key, group, ep, n_local):
+    spec = _REGISTRY[key]
+    n, d = x.shape
+    k = ids.shape[1]
+    pg = _group(group) if ep > 1 else None
+    me = pg.rank() if pg is not None else 0
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # by expert: by destination rank, then local expert
+    counts = torch.bincount(flat, minlength=ep * n_local)
+    table = _exchange_counts(counts, pg, ep)  # [source rank, expert]
+    _check_bound(spec, table, ep, n_local)
+    per_dest = table.view(ep, ep, n_local)
+    send = per_dest[me].sum(dim=1).tolist()
+    recv = per_dest[:, me].sum(dim=1).tolist()
+    send_rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    send_w = weights.reshape(-1).index_select(0, order)
+    if ep > 1:
+        rows, w = _all_to_all(send_rows, recv, send, pg), _all_to_all(send_w, recv, send, pg)
+    else:
+        rows, w = send_rows, send_w
+    # local expert of every received row: source-major, then expert-major within a source
+    local_ids = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
+                                        per_dest[:, me].reshape(-1))
+    with _autograd_inside():
+        rows = rows.detach().requires_grad_(True)
+        w = w.detach().requires_grad_(True)
+        leaves = [p.detach().requires_grad_(True) for p in params]
+        local_counts = per_dest[:, me].sum(dim=0).tolist()
+        out = spec.run(dict(zip(spec.names, leaves)), rows, local_ids, w, local_counts) if rows.shape[0] \
+            else rows.new_zeros(0, d)
+        if out.shape != rows.shape:
+            raise ValueError(f"autopar: the experts of MoE layer {spec.layer} returned {tuple(out.shape)} for "
+                             f"{tuple(rows.shape)} received rows, expected {tuple(rows.shape)}")
+    back = _all_to_all(out.detach(), send, recv, pg) if ep > 1 else out.detach()
+    per_assignment = torch.empty_like(back).index_copy_(0, order, back)
+    y = per_assignment.view(n, k, d).sum(dim=1).to(x.dtype)
+    handle = next(_HANDLES)
+    _STATE[handle] = _State(spec.layer, rows, w, leaves, out, order, send, recv)
+    return y, torch.tensor(handle, dtype=torch.int64)
+
+
+def _grad_input(grad_y, handle, ids, weights, key, group, ep, last):
+    st = _STATE[int(handle)] if not last else _STATE.pop(int(handle))
+    n, k = ids.shape
+    pg = _group(group) if ep > 1 else None
+    g_send = grad_y.index_select(0, torch.div(st.order, k, rounding_mode="floor")).to(st.out.dtype)
+    g_rows = _all_to_all(g_send, st.recv, st.send, pg) if ep > 1 else g_send
+    with _autograd_inside():
+        if st.out.numel():
+            gx, gw = torch.autograd.grad(st.out, [st.rows, st.weights], g_rows, retain_graph=not last,
+                                         allow_unused=True)
+        else:
+            gx = gw = None
+    gx = torch.zeros_like(st.rows) if gx is None else gx
+    gw = torch.zeros_like(st.weights) if gw is None else gw
+    if ep > 1:
+        gx, gw = _all_to_all(gx, st.send, st.recv, pg), _all_to_all(gw, st.send, st.recv, pg)
+    grad_x = grad_y.new_zeros(grad_y.shape).index_add_(0, torch.div(st.order, k, rounding_mode="floor"),
+                                                       gx.to(grad_y.dtype))
+    grad_w = weights.new_zeros(n * k).index_copy_(0, st.order, gw.to(weights.dtype)).view(n, k)
+    st.grad_rows = g_rows
+    return grad_x, grad_w, torch.tensor(int(handle), dtype=torch.int64)
+
+
+def _grad_weight(handle, params):
+    st = _STATE.pop(int(handle))
+    with _autograd_inside():
+        if st.out.numel() and st.params:
+            grads = torch.autograd.grad(st.out, st.params, st.grad_rows, allow_unused=True)
+        else:
+            grads = [None] * len(st.params)
+    return [torch.zeros_like(p) if g is None else g.to(p.dtype) for g, p in zip(grads, params)]
+
+
+# -- the ops --------------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("autopar::moe_dispatch", mutates_args=())
+def _moe_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list[torch.Tensor], key: int,
+                  group: str | None, ep: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(x, ids, weights, params, key, group, ep, n_local)
+
+
+@_moe_dispatch.register_fake
+def _(x, ids, weights, params, key, group, ep, n_local):
+    return x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("autopar::moe_dispatch_grad_input", mutates_args=())
+def _moe_dispatch_grad_input(grad_y: torch.Tensor, handle: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                             key: int, group: str | None, ep: int, last: bool) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                        torch.Tensor]:
+    return _grad_input(grad_y, handle, ids, weights, key, group, ep, last)
+
+
+@_moe_dispatch_grad_input.register_fake
+def _(grad_y, handle, ids, weights, key, group, ep, last):
+    return grad_y.new_empty(grad_y.shape), weights.new_empty(ids.shape), torch.empty((), dtype=torch.int64,
+                                                                                     device="cpu")
+
+
+@torch.library.custom_op("autopar::moe_dispatch_grad_weight", mutates_args=())
+def _moe_dispatch_grad_weight(handle: torch.Tensor, ids: torch.Tensor, params: list[torch.Tensor],
+                              key: int) -> list[torch.Tensor]:
+    return _grad_weight(handle, params)
+
+
+@_moe_dispatch_grad_weight.register_fake
+def _(handle, ids, params, key):
+    return [p.new_empty(p.shape) for p in params]
+
+
+def _setup(ctx, inputs, output):
+    x, ids, weights, params, key, group, ep, n_local = inputs
+    ctx.save_for_backward(output[1], ids, weights, *params)  # the parameters: W's op returns their shapes
+    ctx.key, ctx.group, ctx.ep = key, group, ep
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, grad_y, _grad_handle):
+    handle, ids, weights, *params = ctx.saved_tensors
+    need = ctx.needs_input_grad[3]
+    want_params = bool(params) and (any(need) if isinstance(need, (list, tuple)) else bool(need))
+    grad_x, grad_w, token = torch.ops.autopar.moe_dispatch_grad_input(
+        grad_y.contiguous(), handle, ids, weights, ctx.key, ctx.group, ctx.ep, not want_params)
+    grad_params = torch.ops.autopar.moe_dispatch_grad_weight(token, ids, params, ctx.key) if want_params \
+        else [None] * len(params)
+    return grad_x, None, grad_w, list(grad_params), None, None, None, None
+
+
+_moe_dispatch.register_autograd(_backward, setup_context=_setup)
+
+DISPATCH_OPS = (torch.ops.autopar.moe_dispatch.default,)
+BACKWARD_OPS = (torch.ops.autopar.moe_dispatch_grad_input.default, torch.ops.autopar.moe_dispatch_grad_weight.default)
+
+
+def dropless_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list, key: int,
+                     group: str | None, ep: int, n_local: int) -> torch.Tensor:
+    """The routed experts' output ``[N, d]`` (module docstring); ``params`` in the order the
+    module was registered with."""
+    y, _handle = torch.ops.autopar.moe_dispatch(x, ids, weights, list(params), key, group, ep, n_local)
+    return y
+
+
+def is_dispatch_node(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in DISPATCH_OPS + BACKWARD_OPS
+
+
+# -- what the planner prices ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RoutedInfo:
+    """One MoE block's dispatch as the planner prices it (mean over the EP group, per microbatch)."""
+
+    layer: str
+    rows: int  # routed rows a rank sends (and, on average, receives): N * k
+    row_bytes: int  # bytes of one dispatched row (d elements in the compute dtype)
+    saved_row_bytes: int  # bytes kept from F until W per received row (the row + the experts' activations)
+    flops_per_row: int  # forward FLOPs of one row through its expert
+
+
+def routed_info(node: fx.Node) -> RoutedInfo | None:
+    """``RoutedInfo`` of a ``moe_dispatch`` node (None for any other node)."""
+    if node.op != "call_function" or node.target not in DISPATCH_OPS:
+        return None
+    x, ids = node.args[0].meta["val"], node.args[1].meta["val"]
+    spec = _REGISTRY[node.args[4]]
+    item = x.element_size()
+    rows = int(ids.numel())
+    return RoutedInfo(spec.layer, rows, int(x.shape[-1]) * item, spec.saved_row_elems * item, spec.flops_per_row)
+
+
+def dispatch_flops(target, args) -> int | None:
+    """FLOPs of a call of one of the dispatch ops (``args``: its arguments, fake or real) at the
+    mean routing, or None for another op: the forward's rows through their experts; the
+    input-gradient op the same again (the input-gradient GEMMs); the weight-gradient op the
+    same again plus the re-walk of the private graph's path (module docstring), counted as
+    half the forward's."""
+    if target in DISPATCH_OPS:
+        ids, key = args[1], args[4]
+    elif target is BACKWARD_OPS[0]:
+        ids, key = args[2], args[4]
+    elif target is BACKWARD_OPS[1]:
+        return int(args[1].numel()) * _REGISTRY[args[3]].flops_per_row * 3 // 2
+    else:
+        return None
+    return int(ids.numel()) * _REGISTRY[key].flops_per_row
