@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from autopar import batches, metrics, state
 from autopar import build as _build
+from autopar.passes import moe_dispatch
 from autopar.plan import Plan
 
 
@@ -132,10 +133,14 @@ class ParallelModel:
         n_total = plan.dp * b.num_microbatches * plan.cp  # a cp rank's local mean loss weighs 1/cp
         if train:
             b.parallelisms["dp"].zero_grads()
+        moe_dispatch.clear()  # what a failed step left behind
+        moe_dispatch.reset_stats()
         total = None
         for mbs in batches.microbatches(b, inputs, target, local=self.batch == "local"):
             loss = b.executor.run(mbs, 1.0 / n_total, train=train)
             total = loss if total is None else total + loss
+        if not train:
+            moe_dispatch.clear()  # a forward-only pass: no backward reads the routed rows
         return b, inputs, total
 
     # -- training ---------------------------------------------------------------------------

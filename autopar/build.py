@@ -255,6 +255,11 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
 
         owners["ep"] = ExpertParallel(ep=plan.ep, mesh=mesh)
         owners["ep"].rewrite_module(model)
+    from autopar.passes import moe_dispatch
+
+    for name, module in model.named_modules():  # the dropless experts: the plan's receive bound
+        if hasattr(module, "_autopar_dispatch_key"):
+            moe_dispatch.set_receive_bound(module, plan.moe_imbalance)
     return owners
 
 

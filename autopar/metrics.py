@@ -9,7 +9,13 @@
   ``step_time_s x world x the device profile's peak`` (the dtype the programs compute in);
 * ``peak_memory_bytes``: this process's peak: the CUDA allocator's ``max_memory_allocated``
   on GPU, the peak resident set size on CPU;
-* ``predicted_step_s`` / ``predicted_peak_bytes``: the planner's, when it chose the plan.
+* ``predicted_step_s`` / ``predicted_peak_bytes``: the planner's, when it chose the plan;
+* ``moe_max_receive_rows`` / ``moe_mean_receive_rows`` / ``moe_receive_ratio`` /
+  ``moe_max_receive_layer`` (models with dropless MoE blocks under EP or alone): the most routed
+  rows one rank of an EP group received in one dispatch of this step (over the MoE layers this
+  process runs; every rank of a group sees the group's counts), the mean receive per rank and
+  dispatch, their ratio (1.0: perfectly balanced) and the layer of the largest; a plan's
+  ``moe_imbalance`` bounds that ratio (passes/moe_dispatch.py).
 """
 from __future__ import annotations
 
@@ -18,6 +24,8 @@ import resource
 import sys
 
 import torch
+
+from autopar.passes import moe_dispatch
 
 log = logging.getLogger("autopar")
 
@@ -78,6 +86,10 @@ class Recorder:
                "mfu": self.flops / (elapsed * built.plan.world_size * self.peak),
                "peak_memory_bytes": peak_memory_bytes(built.device),
                **{k: v for k, v in (built.prediction or {}).items() if k != "summary"}}
+        routed = moe_dispatch.receive_stats()
+        if routed["dispatches"]:
+            out.update(moe_max_receive_rows=routed["max_rows"], moe_mean_receive_rows=routed["mean_rows"],
+                       moe_receive_ratio=routed["ratio"], moe_max_receive_layer=routed["layer"])
         if log_every and step % log_every == 0 and (built.mesh is None or built.mesh.rank == 0):
             log.info("%s", line(out))
         return out
@@ -116,6 +128,9 @@ def line(metrics: dict) -> str:
     parts.append(f"{metrics['tokens_per_s']:,.0f} tokens/s")
     if metrics.get("mfu") is not None:
         parts.append(f"MFU {metrics['mfu'] * 100:.2f}%")
+    if metrics.get("moe_receive_ratio") is not None:
+        parts.append(f"MoE receive max {metrics['moe_max_receive_rows']} rows "
+                     f"({metrics['moe_receive_ratio']:.2f}x mean, {metrics['moe_max_receive_layer']})")
     parts.append(f"peak {metrics['peak_memory_bytes'] / 2**20:.1f} MiB"
                  + pred("predicted_peak_bytes", lambda v: f"{v / 2**20:.1f} MiB"))
     return ", ".join(parts)

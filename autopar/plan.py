@@ -14,6 +14,10 @@ class Plan:
     accepts that is at least 2 * pp. ``stage_cuts`` fixes the pipeline cut positions (indices
     into the captured graph's compute nodes); None lets the stage splitter choose.
     ``recompute`` lists the stages whose F keeps only the stage inputs (I recomputes the rest).
+    ``moe_imbalance``: the most routed rows one rank of an EP group may receive in one dropless
+    MoE dispatch, as a multiple of the group's mean (passes/moe_dispatch.py); the planner prices
+    the receive buffers for it, and a dispatch over it fails on every rank of the group with a
+    ``ReceiveBoundError`` naming the layer and the counts; None: unbounded.
     """
 
     pp: int = 1
@@ -26,6 +30,7 @@ class Plan:
     stage_cuts: tuple[int, ...] | None = None
     recompute: tuple[int, ...] = field(default=())
     zero: int = 0  # ZeRO level over the dp*cp replicas: 1 optimizer states, 2 + gradients, 3 + parameters
+    moe_imbalance: float | None = None
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -41,6 +46,10 @@ class Plan:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"autopar.Plan: zero={self.zero!r} must be 0 (none), 1 (optimizer states sharded), "
                              "2 (+ gradients) or 3 (+ parameters)")
+        if self.moe_imbalance is not None and not (isinstance(self.moe_imbalance, (int, float))
+                                                   and self.moe_imbalance >= 1):
+            raise ValueError(f"autopar.Plan: moe_imbalance={self.moe_imbalance!r} must be a number >= 1 (the largest "
+                             "receive over the mean; 1.0 is perfectly balanced routing) or None (unbounded)")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
                              f"{self.dp * self.cp} "
@@ -80,6 +89,7 @@ class Plan:
         rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
-                ("ZeRO", self.zero)]
+                ("ZeRO", self.zero)] + ([("MoE imbalance bound", self.moe_imbalance)]
+                                        if self.moe_imbalance is not None else [])
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

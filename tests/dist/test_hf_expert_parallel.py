@@ -232,10 +232,11 @@ def _train_all(rank, world, plan, names):
             ep = pm.built.parallelisms["ep"]
             with _recording_all_to_alls() as wire:
                 losses = [pm.step(case.inputs, case.target)]
+            routed = {k: v for k, v in pm.metrics.items() if k.startswith("moe_")}
             losses.append(pm.step(case.inputs, case.target))
             local = {f: tuple(p.shape) for f, p in ep.params.items()}
             out[name] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
-                         "local_shapes": local, "wire": wire}
+                         "local_shapes": local, "wire": wire, "routed": routed}
         except Exception:  # noqa: BLE001 - report per sub-case, keep the group going
             out[name] = traceback.format_exc()
     return out
@@ -310,6 +311,13 @@ def _check_dropless_wire(per_rank, dp: int, m: int):
             assert any(out == (0, 0) for out, _inp in rows), "rank 1 should receive no row in block 0"
         moved = sum(b for _s, _o, _i, b in wire)
         assert moved <= 1.1 * routed_bytes, (r, moved, routed_bytes)
+        # pm.metrics: the largest receive of the step and the mean, from the same counts
+        receives = [[sum(sum(mb[src][dst * n_local:(dst + 1) * n_local]) for src in range(dp)) for dst in range(dp)]
+                    for block in counts for mb in block]
+        got = res["dropless"]["routed"]
+        assert got["moe_max_receive_rows"] == max(max(rv) for rv in receives), got
+        mean = sum(sum(rv) / dp for rv in receives) / len(receives)
+        assert got["moe_mean_receive_rows"] == pytest.approx(mean) and got["moe_receive_ratio"] == pytest.approx(max(map(max, receives)) / mean)
 
 
 def _reference(name: str, dp: int, m: int):

@@ -1,0 +1,139 @@
+"""passes/moe_dispatch: the dropless experts op equals a per-token brute force (every token's k
+experts, whatever the routing), keeps its I/W split through capture and pipelining (recompute
+included) with nothing left behind, and its receive bound names the layer and the counts."""
+import copy
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar.nn import MoE
+from autopar.passes import moe_dispatch
+
+
+def _brute_force(moe: MoE, x: torch.Tensor):
+    """Every token through each of its k experts by a Python loop, gate-weighted, + shared."""
+    xf = x.reshape(-1, x.shape[-1])
+    ids, gates, probs = moe.route(xf)
+    rows = [sum(gates[n, j] * moe.experts.expert(int(ids[n, j]), xf[n]) for j in range(moe.top_k))
+            for n in range(xf.shape[0])]
+    y = torch.stack(rows)
+    if moe.shared_expert is not None:
+        y = y + moe.shared_expert(xf)
+    onehot = (ids.reshape(-1, 1) == torch.arange(moe.n_experts)).long()
+    return y.reshape(x.shape), moe.balance_loss(onehot, probs)
+
+
+@pytest.mark.parametrize("k, skew", [(2, False), (4, False), (2, True)])
+def test_dropless_equals_brute_force(k, skew):
+    """k=2 of 4, k=E (every expert), and a router that sends every token to experts 0 and 1
+    (a static capacity of 1.0 would drop half of them)."""
+    torch.manual_seed(0)
+    moe = MoE(8, 12, 4, k, n_shared_experts=1, capacity_factor=None, aux_loss_weight=0.1)
+    x = torch.randn(3, 5, 8)
+    if skew:
+        with torch.no_grad():
+            x[..., 0] = 1.0
+            moe.router.weight[:2, 0] = 50.0
+    ref = copy.deepcopy(moe)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, aux = moe(xa)
+    y_ref, aux_ref = _brute_force(ref, xb)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(aux, aux_ref)
+    (y.square().sum() + aux).backward()
+    (y_ref.square().sum() + aux_ref).backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
+    for (name, p), (_, q) in zip(moe.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    if skew:
+        assert moe.route(x.reshape(-1, 8))[0].max() <= 1  # really only experts 0 and 1
+    assert moe_dispatch.live_handles() == 0
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.moe1 = MoE(16, 24, 4, 2, n_shared_experts=1, capacity_factor=None, aux_loss_weight=0.1)
+        self.mid = nn.Linear(16, 16)
+        self.moe2 = MoE(16, 24, 4, 2, capacity_factor=None, aux_loss_weight=0.1)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        y, a1 = self.moe1(h)
+        h = self.mid(h + y)
+        y, a2 = self.moe2(h)
+        return self.head(h + y), a1 + a2
+
+
+def _loss(out, t):
+    y, aux = out
+    return F.mse_loss(y, t) + aux
+
+
+@pytest.mark.parametrize("schedule, recompute", [("zbv", ()), ("1f1b", (0, 1))])
+def test_dropless_pipeline_matches_eager(schedule, recompute):
+    """pp=2 (local mode) with the op's backward split into I and W (zbv runs W late), and with
+    recomputation (the op is saved, never replayed): two SGD steps equal eager gradient
+    accumulation over the same microbatches, and no dispatch state outlives a step."""
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
+    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
+                             autopar.Plan(pp=2, schedule=schedule, num_microbatches=4, recompute=recompute),
+                             example_target=t)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = pm.step((x,), t)
+        ref_opt.zero_grad()
+        want = 0.0
+        for xm, tm in zip(x.chunk(4), t.chunk(4)):
+            part = _loss(ref(xm), tm) / 4
+            part.backward()
+            want += part.item()
+        ref_opt.step()
+        assert float(loss) == pytest.approx(want, rel=1e-5)
+        assert moe_dispatch.live_handles() == 0
+    state = pm.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    programs = [p for p in pm.built.programs if hasattr(p, "f")]
+    ops = {kind: {n.target for p in programs for n in getattr(p, kind).gm.graph.nodes if n.op == "call_function"}
+           for kind in ("f", "i", "w")}
+    grad_input, grad_weight = (torch.ops.autopar.moe_dispatch_grad_input.default,
+                               torch.ops.autopar.moe_dispatch_grad_weight.default)
+    assert torch.ops.autopar.moe_dispatch.default in ops["f"]
+    assert grad_weight in ops["w"] and grad_weight not in ops["i"]
+    assert grad_input in ops["i"] or grad_input in ops["w"]  # stage 0 has no input gradient: its I is empty
+    assert torch.ops.autopar.moe_dispatch.default not in ops["i"] | ops["w"]  # never recomputed
+    assert pm.metrics["moe_receive_ratio"] == pytest.approx(1.0)  # one rank: it receives every row
+    assert pm.metrics["moe_max_receive_rows"] == 2 * 2 * 3  # microbatch of 2 x 3 tokens, top-2
+
+
+def test_receive_bound_names_the_layer_and_the_counts():
+    spec = moe_dispatch._Experts(run=None, names=(), layer="model.layers.3.mlp", n_experts=4, flops_per_row=0,
+                                 saved_row_elems=0, receive_bound=1.25)
+    # [source rank, expert]: rank 0's experts (0, 1) get 7 + 5 + 6 + 2 = 20 rows, rank 1's get 4
+    table = torch.tensor([[7, 5, 0, 0], [6, 2, 3, 1]])
+    with pytest.raises(moe_dispatch.ReceiveBoundError, match=r"model\.layers\.3\.mlp.*rank 0 would receive 20 routed "
+                                                             r"rows, 1\.67x the mean 12\.0 \(per-rank receives "
+                                                             r"\[20, 4\]\).*1\.25x"):
+        moe_dispatch._check_bound(spec, table, ep=2, n_local=2)
+    spec.receive_bound = 2.0
+    assert moe_dispatch._check_bound(spec, table, ep=2, n_local=2) == [20, 4]
+    with pytest.raises(ValueError, match="moe_imbalance=0.5 must be a number >= 1"):
+        autopar.Plan(moe_imbalance=0.5)
+
+
+def test_per_row_costs_are_the_experts_gemms():
+    """The planner's per-row numbers, measured on fake tensors: SwiGLU's three GEMMs (2 * 3 * d * h)."""
+    moe = MoE(8, 12, 4, 2, capacity_factor=None)
+    spec = moe_dispatch._REGISTRY[moe.experts._autopar_dispatch_key]
+    assert spec.flops_per_row == 2 * 3 * 8 * 12
+    assert spec.saved_row_elems >= 8 + 3 * 12  # the row, x @ w1, x @ w3 and the product at least
