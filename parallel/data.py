@@ -12,8 +12,12 @@ rank: one owner.
   gradient over the replicas (bucketed and overlapped, runtime/grad_reduce.py, or the naive
   oracle); ZeRO-1 leaves it to its optimizer (reduce-scatter, step the shard, all-gather:
   runtime/zero.py); ZeRO-2/3 reduce-scatter a group once its last W ran. Expert-parallel
-  shards are summed over the replicas that hold the same experts (``mesh.expert_group``),
-  never ZeRO-sharded, and stepped whole beside the shards;
+  shards go through the same machinery over the *expert-data-parallel* group
+  (``mesh.expert_group``: the dp*cp/ep replicas that hold the same experts) instead of the
+  dp*cp replicas: ZeRO-1/2/3 shard their fp32 masters and optimizer state (and ZeRO-2/3 their
+  gradients, ZeRO-3 their weights) over it, in sets and groups of their own (one collective
+  never mixes the two process groups). Under ZeRO-0, or when that group is one rank
+  (ep == dp*cp), an expert shard is summed over it and stepped whole beside the rest;
 * the masters the optimizer steps: the parameters themselves (fp32 training, ZeRO-0), fp32
   copies (mixed precision, ZeRO-0), the ZeRO-1 flat shard, the ZeRO-2/3 group shards; and the
   compute copies the programs read (``param_dtype`` under mixed precision), refreshed from the
@@ -22,7 +26,12 @@ rank: one owner.
   (passes/zero_stream.py);
 * the user's optimizer, wrapped for the ZeRO level;
 * the mapping between its masters and whole parameters (``whole`` / ``load_whole``), and
-  for checkpoints where each master lies in its parameters (``local_shards``).
+  for checkpoints where each master lies in its parameters (``local_shards``). An expert
+  shard's pieces are in the coordinates of the shard this rank holds (its ``E/ep`` rows);
+  ExpertParallel (parallel/expert.py) places them in the whole tensor. Whole values: ZeRO-3's
+  streamed expert shards are freed here, so ``whole`` gathers them over the expert-data-
+  parallel group and then over the EP group (ExpertParallel skips freed shards), and
+  ``load_whole`` takes this rank's rows of the whole values.
 
 In local mode (no mesh) there is one replica: no reduction, ZeRO off, mixed precision as
 above. The loss tangent already carries 1/(dp*m*cp): every reduction is a plain sum.
@@ -91,6 +100,15 @@ class DataParallel(Parallelism):
         self.trained = [f for f in params if f in trained]  # model order
         self.experts = [f for f in self.trained if f in expert_params]
         plain = [f for f in self.trained if f not in expert_params]
+        # the expert-data-parallel group: the replicas holding this rank's experts (replica // ep
+        # numbers them, mesh.expert_group), over which expert shards are ZeRO-sharded like the
+        # rest over the replicas; of one rank (ep == dp*cp), or under ZeRO-0, they stay whole
+        ep = mesh.ep if mesh is not None else 1
+        self.expert_replicas, self.expert_replica = replicas // ep, (mesh.replica // ep if mesh is not None else 0)
+        self.expert_rows = {f: params[f].shape[0] for f in self.experts}  # dim 0 of the shard this rank holds
+        sharded_experts = set(self.experts) if self.zero >= 1 and self.expert_replicas > 1 else set()
+        self.zeroed = [f for f in self.trained if f not in expert_params or f in sharded_experts]  # ZeRO-sharded
+        self.whole_experts = [f for f in self.experts if f not in sharded_experts]  # stepped whole
         self.owns = owner_of or (lambda fqn: True)
         # the user's parameter-group option sets, and which one each parameter is in
         options = options or {}
@@ -105,12 +123,14 @@ class DataParallel(Parallelism):
         self.layout = self.storage = None
         self.masters: dict[str, torch.nn.Parameter] = {}
         self.grads = ParamGrads(params)
-        if self.zero != 3:  # every trained parameter whole on this rank: give the meta ones values
-            self._materialize([f for f in self.trained if params[f].is_meta], values)
+        # every trained parameter whole on this rank (ZeRO-3: those it steps whole): meta ones get values
+        whole_here = self.trained if self.zero != 3 else self.whole_experts
+        self._materialize([f for f in whole_here if params[f].is_meta], values)
         if self.zero >= 2:
-            specs = [ParamSpec(f, tuple(params[f].shape)) for f in plain]
-            self.layout = zero_layout(specs, self.zero, replicas, tied=set(mesh.tied_groups), option_of=self.option_of)
-            kept = set(plain)
+            specs = [ParamSpec(f, tuple(params[f].shape)) for f in self.zeroed]
+            self.layout = zero_layout(specs, self.zero, replicas, tied=set(mesh.tied_groups), option_of=self.option_of,
+                                      experts=sharded_experts, expert_replicas=self.expert_replicas)
+            kept = set(self.zeroed)
             streamed = {f for g in self.layout.groups if g.streamed for f in g.fqns}
 
             def group_values(fqns):
@@ -120,7 +140,8 @@ class DataParallel(Parallelism):
             self.storage = ShardedParameters(
                 params, self.layout, {s: [f for f in names if f in kept] for s, names in stage_params.items()},
                 mesh.replica_group, mesh.replica, mesh.tied_groups, timeout, values=group_values,
-                dtype=compute[plain[0]] if plain else None, device=device)
+                dtype=compute[self.zeroed[0]] if self.zeroed else None, device=device,
+                expert_group=mesh.expert_group, expert_replica=self.expert_replica)
         if self.zero == 3:  # streamed: freed (a meta parameter stays on meta); resident: views of one buffer
             self.sharded = frozenset(streamed)
             with torch.no_grad():
@@ -132,9 +153,9 @@ class DataParallel(Parallelism):
             self._cast_to_compute(self.trained)
         if precision is not None:
             self.sharded = frozenset(self.trained)  # the compute copies are not the whole (fp32) values
-        # plain sums: ZeRO-0's gradients over the replicas, the experts' over their replicas
+        # plain sums: ZeRO-0's gradients over the replicas, whole experts' over their replicas
         sums = [] if mesh is None else [(plain if self.zero == 0 else [], mesh.replica_group, mesh.replicas),
-                                        (self.experts, mesh.expert_group, mesh.replicas // mesh.ep)]
+                                        (self.whole_experts, mesh.expert_group, self.expert_replicas)]
         self._sums = [(names, group) for names, group, size in sums if names and size > 1]
         self.reducers = []
         if grad_reduce == "bucketed":
@@ -243,10 +264,11 @@ class DataParallel(Parallelism):
         return [g for g in groups if g["params"]]
 
     def make_optimizer(self, factory):
-        """The user's optimizer over what this rank trains, sharded per the ZeRO level
-        (expert-parallel shards are stepped whole beside the ZeRO shards), one parameter group
-        per option set; a ``torch.optim.Optimizer`` at every level (runtime/optim.py)."""
-        experts = self._param_groups(self.experts, lambda f: self.masters.get(f, self.params[f]))
+        """The user's optimizer over what this rank trains, sharded per the ZeRO level (expert
+        shards over the expert-data-parallel group, or stepped whole beside the shards when
+        that group is one rank), one parameter group per option set (and per group sharded
+        over); a ``torch.optim.Optimizer`` at every level (runtime/optim.py)."""
+        experts = self._param_groups(self.whole_experts, lambda f: self.masters.get(f, self.params[f]))
         plain = [f for f in self.trained if f not in set(self.experts)]
         if self.zero == 0 and self.masters:
             inner = factory(self._param_groups(plain, self.masters.__getitem__) + experts)
@@ -261,6 +283,12 @@ class DataParallel(Parallelism):
             sets = [([f for f in plain if self.option_of[f] == k and f not in tied], opts)
                     for k, opts in enumerate(self.option_sets)]
             sets = [s for s in sets if s[0]] + [([f], self.option_sets[self.option_of[f]]) for f in tied]
+            # expert shards: flat sets of their own over the expert-data-parallel group
+            domain = (self.mesh.expert_group, self.expert_replicas, self.expert_replica)
+            sharded = [f for f in self.experts if f not in set(self.whole_experts)]
+            expert_sets = [([f for f in sharded if self.option_of[f] == k], opts, domain)
+                           for k, opts in enumerate(self.option_sets)]
+            sets += [s for s in expert_sets if s[0]]
             self.optimizer = ZeroOneOptimizer(sets, self.params, self.grads, factory, self.mesh.replica_group,
                                               self.mesh.replicas, self.mesh.replica, others=experts,
                                               initial=getattr(self, "_initial", None), reduce_dtype=self.reduce_dtype)
@@ -274,12 +302,13 @@ class DataParallel(Parallelism):
     def clip_grad_norm(self, max_norm: float | None) -> torch.Tensor:
         """The global L2 norm of the step's gradients, every trained parameter counted once
         (summed over pipeline ranks, ZeRO shards and expert shards; replicas hold copies: counted
-        on one; a tied parameter on its owner pipeline rank), computed after the reduction; with
-        ``max_norm`` every gradient the optimizer reads is scaled as
+        on one, a whole expert shard on one of its expert-data-parallel group, a ZeRO-sharded one
+        on each of its disjoint pieces; a tied parameter on its owner pipeline rank), computed
+        after the reduction; with ``max_norm`` every gradient the optimizer reads is scaled as
         ``torch.nn.utils.clip_grad_norm_`` would (by ``max_norm / (norm + 1e-6)`` if below 1)."""
         mesh = self.mesh
         first = mesh is None or mesh.replica == 0          # replicated gradients: count them once
-        first_expert = mesh is None or mesh.replica // mesh.ep == 0
+        first_expert = self.expert_replica == 0
         parts, scaled = [], []                              # (tensor, counted here?)
         plain = [f for f in self.trained if f not in set(self.experts)]
         if self.storage is not None:
@@ -289,7 +318,7 @@ class DataParallel(Parallelism):
                       for s in self.optimizer.sets]
         else:
             parts += [(self.grads.accumulator(f), first and self.owns(f)) for f in plain]
-        parts += [(self.grads.accumulator(f), first_expert) for f in self.experts]
+        parts += [(self.grads.accumulator(f), first_expert) for f in self.whole_experts]
         parts = [(g, counted) for g, counted in parts if g is not None]
         device = parts[0][0].device if parts else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -309,20 +338,38 @@ class DataParallel(Parallelism):
     # -- state --------------------------------------------------------------------------------
 
     def whole(self) -> dict:
-        """Whole values of ``sharded`` (collective): ZeRO-3's gathered groups; under mixed
-        precision the fp32 masters of every trained parameter."""
+        """Whole values of ``sharded`` (collective): ZeRO-3's gathered groups (an expert shard
+        gathered over its expert-data-parallel group, then over the EP group into the whole
+        tensor); under mixed precision the fp32 masters of every trained parameter."""
         if self.precision is None:
-            return {f: v for f, v in self.storage.whole().items() if f in self.sharded} if self.zero == 3 else {}
+            if self.zero != 3:
+                return {}
+            return self._expert_wholes({f: v for f, v in self.storage.whole().items() if f in self.sharded})
         if self.zero == 0:
-            return {f: m.detach().clone() for f, m in self.masters.items()}
-        if self.zero == 1:
+            out = {f: m.detach().clone() for f, m in self.masters.items()}
+        elif self.zero == 1:
             out = self.optimizer.whole() if self.optimizer is not None else {}
         else:
             out = self.storage.whole(torch.float32)
-        return {**out, **{f: self.params[f].detach().float() for f in self.experts}}
+        out.update({f: self.params[f].detach().float() for f in self.whole_experts if f not in out})
+        return self._expert_wholes(out)
+
+    def _expert_wholes(self, values: dict) -> dict:
+        """``values`` with each expert shard (this rank's rows) replaced by the whole tensor: the
+        EP group's shards concatenated along dim 0 in EP rank order (parallel/expert.py)."""
+        return {f: comms.all_gather_dim0(v.contiguous(), self.mesh.ep_group) if f in self.expert_rows else v
+                for f, v in values.items()}
+
+    def _expert_locals(self, values: dict) -> dict:
+        """``values`` (whole tensors) with each expert parameter cut to the rows this rank holds."""
+        mesh = self.mesh
+        return {f: v.narrow(0, mesh.ep_rank * self.expert_rows[f], self.expert_rows[f]) if f in self.expert_rows
+                else v for f, v in values.items()}
 
     def load_whole(self, values: dict) -> None:
-        """After the whole parameters were written (ZeRO-0..2 hold them): refresh the masters."""
+        """After the whole parameters were written (ZeRO-0..2 hold them; ExpertParallel wrote
+        the expert shards it holds whole): refresh the masters and shards."""
+        values = self._expert_locals({f: values[f] for f in self.trained if f in values})
         if self.storage is not None:
             self.storage.load({f: values[f] if f in values else self.params[f].detach()
                                for f in self.storage.group_of})
@@ -344,9 +391,10 @@ class DataParallel(Parallelism):
         it, in the coordinates of the parameter as this process holds it (an expert shard's own
         rows; ExpertParallel places them in the whole): the ZeRO-2/3 group shard or the ZeRO-1
         flat-set shard (one contiguous range of the flat vector: a piece of each parameter it
-        overlaps, padding in none), else the fp32 master (mixed precision) or the parameter
-        itself, held whole by every replica (an expert shard by the replicas with the same
-        experts). Their per-element optimizer state has the layout of ``Shard.source``."""
+        overlaps, padding in none; an expert shard's over its expert-data-parallel group), else
+        the fp32 master (mixed precision) or the parameter itself, held whole by every replica
+        (an expert shard stepped whole by the replicas with the same experts). Their
+        per-element optimizer state has the layout of ``Shard.source``."""
         mesh = self.mesh
         replicas, replica = (mesh.replicas, mesh.replica) if mesh is not None else (1, 0)
         out: dict[str, list[Shard]] = {}
@@ -367,8 +415,8 @@ class DataParallel(Parallelism):
         experts = set(self.experts)
         if self.storage is not None:
             for g in self.storage.groups:
-                n = g.padded // replicas
-                flat_shard(g.fqns, g.shapes, g.offsets, g.master, replica * n, n)
+                n = g.padded // g.replicas
+                flat_shard(g.fqns, g.shapes, g.offsets, g.master, g.replica * n, n)
         elif self.zero == 1 and self.optimizer is not None:
             for s in self.optimizer.sets:
                 shapes = [tuple(self.params[f].shape) for f in s.names]
@@ -379,10 +427,10 @@ class DataParallel(Parallelism):
                 if f not in experts:
                     src = self.masters.get(f, self.params[f])
                     out[f] = [Shard(0, src.numel(), tuple(src.shape), src, copies=replicas, copy=replica)]
-        ep = mesh.ep if mesh is not None else 1
-        for f in self.experts:
+        for f in self.whole_experts:
             src = self.masters.get(f, self.params[f])
-            out[f] = [Shard(0, src.numel(), tuple(src.shape), src, copies=replicas // ep, copy=replica // ep)]
+            out[f] = [Shard(0, src.numel(), tuple(src.shape), src, copies=self.expert_replicas,
+                            copy=self.expert_replica)]
         return out
 
     def loaded(self) -> None:

@@ -3,10 +3,13 @@
 ``ExpertParallel`` owns the module rewrite (passes/expert_parallel.py: experts sharded, the
 expert buffer moved by all-to-all; done before capture, so the captured graph holds the
 all-to-alls and the joint trace their backward), which parameters are expert shards (the data
-parallel owner sums their gradients over the replicas holding the same experts and never
-ZeRO-shards them) and their state mapping: an expert parameter's whole value is its ``ep``
-shards concatenated along dim 0 in EP rank order (for checkpoints: one contiguous range of
-the whole tensor's row-major elements, ``local_shards``). Blocks: ``autopar.nn.MoE`` (capacity,
+parallel owner reduces their gradients over the expert-data-parallel group, the replicas
+holding the same experts, and ZeRO-shards them over it: parallel/data.py) and their state
+mapping: an expert parameter's whole value is its ``ep`` shards concatenated along dim 0 in
+EP rank order (for checkpoints: one contiguous range of the whole tensor's row-major elements,
+``local_shards``; the data-parallel owner's ZeRO pieces are ranges of that range). A shard
+ZeRO-3 freed (its values live in the data-parallel owner's master shards) is left to that
+owner by ``whole`` and ``load_whole``. Blocks: ``autopar.nn.MoE`` (capacity,
 drops like the single-process block) and Hugging Face transformers MoE blocks (dropless,
 passes/hf_moe.py); the parameter FQNs stay the model's own.
 """
@@ -52,18 +55,23 @@ class ExpertParallel(Parallelism):
         named = dict(self.model.named_parameters())
         return {f: named[f] for f in self.shards}
 
+    def _held(self) -> dict[str, torch.nn.Parameter]:
+        """The shards this process holds whole (not freed by ZeRO-3, whose data-parallel owner
+        gathers and loads those): alike on every rank of the EP group."""
+        return {f: p for f, p in self.params.items() if not p.is_meta and tuple(p.shape) == self.shards[f].local_shape}
+
     def whole(self) -> dict:
-        return {f: comms.all_gather_dim0(p.detach().contiguous(), self.mesh.ep_group) for f, p in self.params.items()}
+        return {f: comms.all_gather_dim0(p.detach().contiguous(), self.mesh.ep_group) for f, p in self._held().items()}
 
     def load_whole(self, values: dict) -> None:
-        params = self.params
+        for f, shard in self.shards.items():
+            full = values[f]
+            if tuple(full.shape) != tuple(shard.full_shape):
+                raise ValueError(f"autopar: {f} has shape {tuple(full.shape)} in the state dict, the model's is "
+                                 f"{tuple(shard.full_shape)}")
         with torch.no_grad():
-            for f, shard in self.shards.items():
-                full = values[f]
-                if tuple(full.shape) != tuple(shard.full_shape):
-                    raise ValueError(f"autopar: {f} has shape {tuple(full.shape)} in the state dict, the model's is "
-                                     f"{tuple(shard.full_shape)}")
-                params[f].copy_(full[shard.rows])
+            for f, p in self._held().items():
+                p.copy_(values[f][self.shards[f].rows])
 
     def local_shards(self) -> dict[str, list[Shard]]:
         """Checkpoints: FQN -> where this rank's expert shard lies in the whole tensor (rows

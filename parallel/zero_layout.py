@@ -2,9 +2,14 @@
 keeps, what is streamed and what stays resident. One definition, read by the runtime's flat
 storage (runtime/sharded.py) and by the planner's memory model (planner/estimate.py).
 
-The parameters one pipeline rank trains (in model order, tied parameters once, expert-parallel
-shards excluded: they are stepped whole) are cut into *layer groups* (``layer_group``: a
-numbered block such as ``layers.3``, else the owning module). A parameter held by stages on
+The parameters one pipeline rank trains (in model order, tied parameters once) are cut into
+*layer groups* (``layer_group``: a numbered block such as ``layers.3``, else the owning
+module). Expert-parallel shards (``experts``) are sharded the same way over the
+*expert-data-parallel* group instead (the ``expert_replicas = dp*cp/ep`` replicas holding the
+same experts): they form groups of their own, ``<group>/experts``, never mixed with the dense
+parameters of the layer (one group is reduce-scattered and gathered over one process group);
+with ``expert_replicas == 1`` (ep == dp*cp) they are left out: each is whole on its one
+holder and stepped whole. A parameter held by stages on
 several pipeline ranks (a tied embedding/head) forms a group alone: its gradient is summed
 over its holders before the group is reduce-scattered. Under ZeRO-3 the parameters with fewer
 than 2 dims (norms, biases) form one *resident* group instead, gathered once after each
@@ -13,8 +18,9 @@ parameter groups only (``option_of``: weight decay on or off, say): the layer's 
 group of their own, named ``<group>/<option set>``.
 
 Each group is one flat vector of ``numel`` elements padded to ``padded``, a multiple of the
-replica count R (dp*cp); every replica keeps one contiguous ``padded / R`` shard, its fp32
-master (what the user's optimizer steps). ZeRO-3 frees the whole values of *streamed* groups
+count R of replicas it is sharded over (``GroupSpec.replicas``: dp*cp, or dp*cp/ep for an
+expert group); every one of them keeps one contiguous ``padded / R`` shard, its fp32 master
+(what the user's optimizer steps). ZeRO-3 frees the whole values of *streamed* groups
 (every group but the resident one) and gathers each into one of two alternating buffers
 sized for the largest streamed group while a program uses it.
 
@@ -55,21 +61,24 @@ class GroupSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]
     numel: int
-    padded: int            # numel rounded up to a multiple of the replica count
+    padded: int            # numel rounded up to a multiple of ``replicas``
     streamed: bool         # ZeRO-3: whole values live only in a gather buffer while in use
     tied: bool             # a parameter held on several pipeline ranks, alone in its group
     options: int = 0       # index of the parameter-group option set its parameters share
+    expert: bool = False   # expert-parallel shards, sharded over the expert-data-parallel group
+    replicas: int = 1      # ranks the group is sharded over (dp*cp; dp*cp/ep for an expert group)
 
 
 @dataclass(frozen=True)
 class ZeroLayout:
     zero: int
-    replicas: int
+    replicas: int                 # dp*cp: what the dense groups are sharded over
     groups: tuple[GroupSpec, ...]
+    expert_replicas: int = 1      # dp*cp/ep: what the expert groups are sharded over
 
     def shard(self, g: GroupSpec) -> int:
-        """Elements of ``g`` each replica keeps."""
-        return g.padded // self.replicas
+        """Elements of ``g`` each of its replicas keeps."""
+        return g.padded // g.replicas
 
     @property
     def residents(self) -> tuple[GroupSpec, ...]:
@@ -121,31 +130,39 @@ def layer_group(fqn: str) -> str:
 
 
 def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Collection[str] = (),
-                option_of: dict[str, int] | None = None) -> ZeroLayout:
-    """The flat groups of ``params`` (one rank's trained parameters, model order) for ZeRO
-    level ``zero`` (2 or 3) over ``replicas`` replicas; ``tied``: FQNs held on several
-    pipeline ranks (each alone in a group); ``option_of``: FQN -> option-set index (default 0)."""
+                option_of: dict[str, int] | None = None, experts: Collection[str] = (),
+                expert_replicas: int = 1) -> ZeroLayout:
+    """The flat groups of ``params`` (one rank's trained parameters, model order; an expert
+    shard with its local shape) for ZeRO level ``zero`` (2 or 3): dense parameters over
+    ``replicas`` replicas (dp*cp), the FQNs in ``experts`` over ``expert_replicas`` (dp*cp/ep;
+    left out when 1); ``tied``: FQNs held on several pipeline ranks (each alone in a group);
+    ``option_of``: FQN -> option-set index (default 0)."""
     assert zero in (2, 3), zero
-    assert replicas >= 1, replicas
-    tied, option_of = set(tied), option_of or {}
-    by_name: dict[tuple[str, int], list[ParamSpec]] = {}
+    assert replicas >= 1 and expert_replicas >= 1 and replicas % expert_replicas == 0, (replicas, expert_replicas)
+    tied, option_of, experts = set(tied), option_of or {}, set(experts)
+    assert not tied & experts, sorted(tied & experts)  # an expert shard lives on one pipeline rank
+    by_name: dict[tuple[str, int, bool], list[ParamSpec]] = {}
     for p in params:
+        expert = p.fqn in experts
+        if expert and expert_replicas == 1:
+            continue  # whole on its one holder: stepped whole
         if p.fqn in tied:
             name = p.fqn
         elif zero == 3 and p.ndim < 2:
             name = RESIDENT
         else:
             name = layer_group(p.fqn)
-        by_name.setdefault((name, option_of.get(p.fqn, 0)), []).append(p)
+        by_name.setdefault((name, option_of.get(p.fqn, 0), expert), []).append(p)
     groups = []
-    for (base, opt), members in by_name.items():
-        name = base if opt == 0 else f"{base}/{opt}"
+    for (base, opt, expert), members in by_name.items():
+        name = (f"{base}/experts" if expert else base) + ("" if opt == 0 else f"/{opt}")
+        n = expert_replicas if expert else replicas
         offsets, total = [], 0
         for p in members:
             offsets.append(total)
             total += p.numel
         groups.append(GroupSpec(
             name=name, fqns=tuple(p.fqn for p in members), shapes=tuple(p.shape for p in members),
-            offsets=tuple(offsets), numel=total, padded=-(-total // replicas) * replicas,
-            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt))
-    return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups))
+            offsets=tuple(offsets), numel=total, padded=-(-total // n) * n,
+            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n))
+    return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups), expert_replicas=expert_replicas)

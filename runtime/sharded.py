@@ -2,9 +2,12 @@
 
 The layout (which parameters form which flat group, padding, what is streamed and what stays
 resident) is ``autopar.parallel.zero_layout``; this module holds the tensors and moves them.
-Each group is one flat vector padded to a multiple of the replica count R (dp*cp), of which
-this rank keeps one contiguous shard: the fp32 ``master`` the user's optimizer steps
-(optimizer states are 1/R).
+Each group is one flat vector padded to a multiple of the count R of replicas it is sharded
+over, of which this rank keeps one contiguous shard: the fp32 ``master`` the user's optimizer
+steps (optimizer states are 1/R). Dense groups are sharded over the dp*cp replicas of the
+pipeline rank (``group``), expert-parallel groups over the expert-data-parallel group
+(``expert_group``: the dp*cp/ep replicas holding the same experts); every mechanism below is
+the same for both, each group communicating over its own process group.
 
 Gradients: every W (or B) adds its parameter gradients into the group's flat fp32 gradient
 buffer; when the last W of the step of every stage using the group has run, that buffer is
@@ -26,7 +29,7 @@ shards + the two buffers + the resident group, not the whole stage.
 
 Every replica runs the same programs in the same order, so the collectives (gathers in
 program order, reduce-scatters when a stage finishes) are issued identically on every
-replica of the group.
+replica of the group, and on every member of each process group in the same order.
 """
 from __future__ import annotations
 
@@ -56,6 +59,10 @@ class FlatGroup:
     tied: str | None               # fqn of the tied parameter this group holds (alone), or None
     stages: frozenset[int]         # this rank's stages that compute its gradients
     options: int = 0               # the parameter-group option set of its parameters
+    expert: bool = False           # expert-parallel shards (sharded over the expert-data-parallel group)
+    replicas: int = 1              # ranks it is sharded over
+    replica: int = 0               # this rank's index among them (its shard)
+    comm: object = None            # their process group (None: one rank)
     master: nn.Parameter = None    # this replica's fp32 shard
     grad_full: torch.Tensor | None = None
     pending: set[int] = field(default_factory=set)
@@ -77,15 +84,17 @@ class ShardedParameters:
 
     def __init__(self, params: dict[str, nn.Parameter], layout: ZeroLayout, stage_params: dict[int, list[str]],
                  group, replica: int, tied_groups: dict, timeout, values=None, dtype: torch.dtype | None = None,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, expert_group=None, expert_replica: int = 0):
         """``params``: FQN -> the Parameter the programs read (ZeRO-2 writes the stepped values
-        into it; the caller keeps the dict current); ``values(fqns)``: whole values of a group's
+        into it; the caller keeps the dict current); ``group``, ``replica``: the process group
+        the dense groups are sharded over and this rank's index in it; ``expert_group``,
+        ``expert_replica``: the same for the expert groups; ``values(fqns)``: whole values of a group's
         parameters, fetched one group at a time to build the fp32 master shards (default: the
         parameters themselves); ``dtype``: the compute dtype of the gather buffers and the
         resident group (default: the parameters'). The storage never changes a Parameter: the
         caller frees or replaces them (parallel/data.py)."""
-        self.params, self.zero, self.group, self.layout = params, layout.zero, group, layout
-        self.replicas, self.replica, self.tied_groups, self.timeout = layout.replicas, replica, tied_groups, timeout
+        self.params, self.zero, self.layout = params, layout.zero, layout
+        self.tied_groups, self.timeout = tied_groups, timeout
         users: dict[str, set[int]] = {}
         for s, names in stage_params.items():
             for fqn in names:
@@ -105,12 +114,15 @@ class ShardedParameters:
                                  "give the parameters of one layer one dtype")
             g = FlatGroup(spec.name, fqns, spec.shapes, spec.offsets, spec.numel, spec.padded, dtype or dtypes.pop(),
                           streamed=spec.streamed, tied=fqns[0] if spec.tied else None,
-                          stages=frozenset(s for f in fqns for s in users[f]), options=spec.options)
+                          stages=frozenset(s for f in fqns for s in users[f]), options=spec.options,
+                          expert=spec.expert, replicas=spec.replicas,
+                          replica=expert_replica if spec.expert else replica,
+                          comm=expert_group if spec.expert else group)
             shard = layout.shard(spec)
             with torch.no_grad():
                 got = values(fqns)
                 flat = self._flatten(g, [got[f].to(device) for f in fqns], torch.float32)
-                g.master = nn.Parameter(flat[replica * shard: (replica + 1) * shard].clone())
+                g.master = nn.Parameter(flat[g.replica * shard: (g.replica + 1) * shard].clone())
                 if self.zero == 3 and not g.streamed:
                     self.residents[g.name] = flat.to(g.dtype)
             del got, flat
@@ -147,10 +159,10 @@ class ShardedParameters:
     def _gather(self, g: FlatGroup, out: torch.Tensor, async_op: bool):
         self.gathers += 1
         src = g.master.detach().to(out.dtype)
-        if self.group is None:
+        if g.comm is None:
             out[: g.padded].copy_(src)
             return None
-        return comms.all_gather_flat(out[: g.padded], src, group=self.group, async_op=async_op)
+        return comms.all_gather_flat(out[: g.padded], src, group=g.comm, async_op=async_op)
 
     def masters(self) -> list[nn.Parameter]:
         return [g.master for g in self.groups]
@@ -240,12 +252,12 @@ class ShardedParameters:
         if full is None:
             full = torch.zeros(g.padded, dtype=torch.float32, device=self.device)
         g.grad_full = None
-        shard = torch.empty(g.padded // self.replicas, dtype=torch.float32, device=self.device)
-        if self.group is None:
+        shard = torch.empty(g.padded // g.replicas, dtype=torch.float32, device=self.device)
+        if g.comm is None:
             shard.copy_(full)
             work = None
         else:
-            work = comms.reduce_scatter_sum(shard, full, group=self.group, async_op=True)
+            work = comms.reduce_scatter_sum(shard, full, group=g.comm, async_op=True)
         self._reductions.append((work, g, shard, full))
 
     def finish(self) -> None:
@@ -308,8 +320,8 @@ class ShardedParameters:
         with torch.no_grad():
             for g in self.groups:
                 flat = self._flatten(g, [values[f] for f in g.fqns], torch.float32)
-                shard = g.padded // self.replicas
-                g.master.copy_(flat[self.replica * shard: (self.replica + 1) * shard])
+                shard = g.padded // g.replicas
+                g.master.copy_(flat[g.replica * shard: (g.replica + 1) * shard])
                 if g.name in self.residents:
                     self.residents[g.name].copy_(flat)  # the resident parameters are views of it
                 elif not g.streamed:

@@ -1,14 +1,18 @@
-"""ZeRO-1: optimizer states sharded over the dp replicas of a pipeline rank.
+"""ZeRO-1: optimizer states sharded over the dp*cp replicas of a pipeline rank (expert shards:
+over their expert-data-parallel group).
 
 The parameters this rank trains are viewed as flat fp32 vectors, one per option set of the
-user's parameter groups (weight decay on or off, say), each padded to a multiple of dp. Each
-replica owns one contiguous shard of each: it keeps an fp32 master copy of that shard and the
-optimizer state for it only (1/dp of the memory). At the end of the pipeline (``reduce``, the
-data-parallel owner calls it): gradients (already summed over tied-weight holders, scaled by
-1/(dp*m)) are flattened in the reduce dtype and reduce-scattered (sum), so every replica holds
-the summed gradient of its shards as the masters' ``.grad`` (clipping may scale them then). A
-step: the user's optimizer steps the shards, and the updated shards are all-gathered back into
-the parameters (cast into their dtype: bf16 compute copies under mixed precision).
+user's parameter groups (weight decay on or off, say), each padded to a multiple of the count
+of replicas it is sharded over: the dp*cp replicas of the pipeline rank, or, for a set of
+expert-parallel shards, the expert-data-parallel group (the dp*cp/ep replicas holding the same
+experts; a set never mixes the two). Each replica owns one contiguous shard of each: it keeps
+an fp32 master copy of that shard and the optimizer state for it only (1/R of the memory).
+At the end of the pipeline (``reduce``, the data-parallel owner calls it): gradients
+(already summed over tied-weight holders, scaled by 1/(dp*m)) are flattened in the reduce
+dtype and reduce-scattered (sum) over each set's group, so every replica holds the summed
+gradient of its shards as the masters' ``.grad`` (clipping may scale them then). A step: the
+user's optimizer steps the shards, and the updated shards are all-gathered back into the
+parameters (cast into their dtype: bf16 compute copies under mixed precision).
 Elementwise optimizers (SGD, Adam, AdamW) give the same numbers as the unsharded step.
 """
 from __future__ import annotations
@@ -20,10 +24,11 @@ from .optim import WrappedOptimizer
 
 
 class _FlatSet:
-    """One option set's parameters as a flat vector and this replica's shard of it."""
+    """One option set's parameters as a flat vector and this replica's shard of it, sharded over
+    ``group`` (``dp`` ranks, this one ``dp_rank``; None: one rank)."""
 
-    def __init__(self, names: list[str], params: dict, dp: int, dp_rank: int, initial: dict, device):
-        self.names = names
+    def __init__(self, names: list[str], params: dict, group, dp: int, dp_rank: int, initial: dict, device):
+        self.names, self.group, self.dp = names, group, dp
         numel = sum(params[f].numel() for f in names)
         self.shard = -(-numel // dp)  # ceil
         self.total = self.shard * dp
@@ -32,6 +37,13 @@ class _FlatSet:
         with torch.no_grad():
             flat = self.flatten([initial.get(f, params[f]).detach() for f in names], torch.float32)
             self.master = torch.nn.Parameter(flat[self.lo: self.lo + self.shard].clone())
+
+    def gather(self, full: torch.Tensor) -> None:
+        """``full`` (``total`` elements) = every replica's master shard, in replica order."""
+        if self.group is None:
+            full.copy_(self.master.detach())
+        else:
+            comms.all_gather_flat(full, self.master.detach(), group=self.group)
 
     def flatten(self, tensors, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.total, dtype=dtype, device=self.device)
@@ -44,18 +56,22 @@ class _FlatSet:
 
 
 class ZeroOneOptimizer(WrappedOptimizer):
-    def __init__(self, sets: list[tuple[list[str], dict]], params: dict[str, torch.nn.Parameter], grads,
+    def __init__(self, sets: list[tuple], params: dict[str, torch.nn.Parameter], grads,
                  optimizer_factory, dp_group, dp: int, dp_rank: int, others: list[dict] = (),
                  initial: dict | None = None, reduce_dtype: torch.dtype = torch.float32, device=None):
-        """``sets``: (FQNs in flat order, the options of their parameter group) per option set;
+        """``sets``: (FQNs in flat order, the options of their parameter group) per option set,
+        or (FQNs, options, (group, ranks, this rank's index)) for a set sharded over another
+        group than ``dp_group`` (expert-parallel shards: the expert-data-parallel group);
         ``grads.accumulator(fqn)``: their gradients (runtime/stage_work.ParamGrads); ``others``:
-        parameter groups stepped whole, beside the shards (expert-parallel shards);
-        ``initial``: fp32 whole values the master shards start from (default: the parameters)."""
+        parameter groups stepped whole, beside the shards (expert-parallel shards whose
+        expert-data-parallel group is one rank); ``initial``: fp32 whole values the master
+        shards start from (default: the parameters)."""
         self.params, self.grads = params, grads
-        self.group, self.dp, self.dp_rank, self.reduce_dtype = dp_group, dp, dp_rank, reduce_dtype
+        self.reduce_dtype = reduce_dtype
         device = device or (next(iter(params.values())).device if params else torch.device("cpu"))
-        self.sets = [_FlatSet(list(names), params, dp, dp_rank, initial or {}, device) for names, _o in sets]
-        groups = [{"params": [s.master], **opts} for s, (_n, opts) in zip(self.sets, sets)] + list(others)
+        self.sets = [_FlatSet(list(entry[0]), params, *(entry[2] if len(entry) > 2 else (dp_group, dp, dp_rank)),
+                              initial or {}, device) for entry in sets]
+        groups = [{"params": [s.master], **entry[1]} for s, entry in zip(self.sets, sets)] + list(others)
         super().__init__(optimizer_factory(groups))
 
     @property
@@ -75,7 +91,7 @@ class ZeroOneOptimizer(WrappedOptimizer):
         out = {}
         for s in self.sets:
             full = torch.empty(s.total, dtype=torch.float32, device=s.device)
-            comms.all_gather_flat(full, s.master.detach(), group=self.group)
+            s.gather(full)
             offset = 0
             for f in s.names:
                 n = self.params[f].numel()
@@ -88,14 +104,17 @@ class ZeroOneOptimizer(WrappedOptimizer):
         for s in self.sets:
             gflat = s.flatten([self.grads.accumulator(f) for f in s.names], self.reduce_dtype)
             gshard = torch.empty(s.shard, dtype=self.reduce_dtype, device=gflat.device)
-            comms.reduce_scatter_sum(gshard, gflat, group=self.group)
+            if s.group is None:
+                gshard.copy_(gflat)
+            else:
+                comms.reduce_scatter_sum(gshard, gflat, group=s.group)
             s.master.grad = gshard.to(torch.float32)
 
     def _after_step(self) -> None:
         for s in self.sets:
             s.master.grad = None
             full = torch.empty(s.total, dtype=torch.float32, device=s.device)
-            comms.all_gather_flat(full, s.master.detach(), group=self.group)
+            s.gather(full)
             offset = 0
             for f in s.names:
                 p = self.params[f]

@@ -5,6 +5,9 @@ parameters to bf16 noise).
 
 C1, resharding pairs (A: 3 steps, save; B: load, 2 steps):
   gpt pp=2 x dp=2 ZeRO-3 (4 processes)      -> pp=2 1f1b (2 fresh processes)
+  moe_ep dp=4 x ep=2 ZeRO-3 (4 processes)   -> dp=2 x ep=2 ZeRO-1 (2 fresh processes): expert
+                                               shards ZeRO-3-sharded over their 2-rank expert-data-
+                                               parallel group, loaded whole (a group of 1)
   moe_ep dp=2 x ep=2 (2 processes)          -> dp=2 ZeRO-1, no EP     } the same 2 processes, a fresh
   gpt pp=2 zbv (2 processes)                -> dp=2 ZeRO-2            } ParallelModel of a fresh model
   gpt mixed precision dp=2 ZeRO-1 (2)       -> mixed precision pp=1 local mode (the test process)
@@ -35,6 +38,8 @@ STEPS_A, STEPS_B = 3, 2
 GPT_A4 = dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2, zero=3)
 GPT_B4 = dict(pp=2, schedule="1f1b", num_microbatches=4)
 MOE_A2 = dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2)
+MOE_A4 = dict(dp=4, ep=2, schedule="1f1b", num_microbatches=2, zero=3)
+MOE_B4 = dict(dp=2, ep=2, schedule="1f1b", num_microbatches=4, zero=1)  # the same 8 microbatches
 MOE_B2 = dict(dp=2, schedule="1f1b", num_microbatches=2, zero=1)
 GPT_A2 = dict(pp=2, schedule="zbv", num_microbatches=4)
 GPT_B2 = dict(dp=2, schedule="1f1b", num_microbatches=2, zero=2)
@@ -85,6 +90,23 @@ def _train_a(case_name, plan, path, mixed=False):
     stats = _save_checked(pm, path)
     _LAST["pm"] = pm
     return {"losses": losses, "save": stats, "rng_after_save": torch.rand(4), "state": pm.state_dict()}
+
+
+def _train_a_uncached(*args):
+    """``_train_a`` with captures and split programs not memoized (tests/dist/harness): an EP
+    capture names this run's process groups, which are destroyed after it, while the memo
+    outlives the run in the shared pool."""
+    import importlib
+
+    from tests.dist import harness
+
+    passes, sb = importlib.import_module("autopar.passes"), importlib.import_module("autopar.passes.split_backward")
+    saved = passes.capture, sb.split_backward
+    passes.capture, sb.split_backward = harness._ORIGINAL["capture"], harness._ORIGINAL["split_backward"]
+    try:
+        return _train_a(*args)
+    finally:
+        passes.capture, sb.split_backward = saved
 
 
 def _train_b(case_name, plan, path, mixed=False, pm=None):
@@ -351,10 +373,12 @@ def test_checkpoint_reshards_and_resumes(tmp_path):
     from tests.reference import assert_close_state
 
     root = str(tmp_path)
-    d = {k: os.path.join(root, k) for k in ("gpt4", "moe2", "gpt2", "local", "killed")}
-    run_shared(_run, 4, root, [("gpt4", "_train_a", ("gpt", GPT_A4, d["gpt4"]))], deadline_s=300)
+    d = {k: os.path.join(root, k) for k in ("gpt4", "moe4", "moe2", "gpt2", "local", "killed")}
+    run_shared(_run, 4, root, [("gpt4", "_train_a", ("gpt", GPT_A4, d["gpt4"])),
+                               ("moe4", "_train_a_uncached", ("moe_ep", MOE_A4, d["moe4"]))], deadline_s=300)
     run_ranks(_run, 2, root, [
         ("gpt4", "_train_b", ("gpt", GPT_B4, d["gpt4"])),
+        ("moe4", "_train_b", ("moe_ep", MOE_B4, d["moe4"])),
         ("moe2_a", "_train_a", ("moe_ep", MOE_A2, d["moe2"])),
         ("moe2", "_train_b", ("moe_ep", MOE_B2, d["moe2"])),
         ("gpt2_a", "_train_a", ("gpt", GPT_A2, d["gpt2"])),
@@ -367,9 +391,11 @@ def test_checkpoint_reshards_and_resumes(tmp_path):
 
     # C1 + C2 in the processes
     _check_pair("gpt4", four, two, "gpt", GPT_A4)
+    _check_pair("moe4", four, two, "moe_ep", MOE_A4)
     _check_pair("moe2", a_two, two, "moe_ep", MOE_A2)
     _check_pair("gpt2", a_two, two, "gpt", GPT_A2)
     _check_writes("gpt4", four, d["gpt4"], "gpt")
+    _check_writes("moe4", four, d["moe4"], "moe_ep")
     _check_writes("moe2", a_two, d["moe2"], "moe_ep")
     _check_writes("local", a_two, d["local"], "gpt")
 

@@ -1,6 +1,15 @@
 """passes/expert_parallel: ep=2 over 2 gloo ranks equals the single-process MoE, eagerly and
 through capture -> split_stages -> split_backward (the backward all-to-alls are in the joint
-graph); bad inputs fail with a ValueError naming the fix."""
+graph); bad inputs fail with a ValueError naming the fix.
+
+Experts under ZeRO (parallel/data.py): ``parallelize`` of tests/models ``moe_ep`` against the
+eager reference of design.md §5 (two AdamW steps, 1e-5 loss and parameters), with the expert
+shards ZeRO-sharded over the expert-data-parallel group (dp*cp/ep ranks):
+  2 ranks (the run above): dp=2 x ep=2 ZeRO-1 -- a group of 1: experts stepped whole
+  4 ranks: dp=4 x ep=2 ZeRO-1 and ZeRO-3 (groups of 2), both with grad-norm clipping
+Each rank's expert optimizer state holds 1/(dp/ep) of its experts' elements (hand count), in
+sets/groups of their own; ZeRO-3 frees the expert weights; load_state_dict round-trips.
+"""
 import pytest
 import torch
 import torch.nn as nn
@@ -172,7 +181,74 @@ def _sub_group_mismatch(rank, world, net_full, refs, x, t):
     return "ok"
 
 
-SUBCASES = {"eager": _sub_eager, "captured": _sub_captured, "group_mismatch": _sub_group_mismatch}
+# (label, plan, max_grad_norm) per world size
+ZERO = {2: [("dp2 ep2 zero1", dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=1), None)],
+        4: [("dp4 ep2 zero1", dict(dp=4, ep=2, schedule="1f1b", num_microbatches=2, zero=1), 0.05),
+            ("dp4 ep2 zero3", dict(dp=4, ep=2, schedule="1f1b", num_microbatches=2, zero=3), 0.05)]}
+# moe_ep (tests/models.MoEBlocksNet): 2 MoE layers of E=4 experts, w1 and w3 [E, 16, 24], w2 [E, 24, 16]
+MOE_EP_EXPERT_ELEMENTS = 2 * 3 * E * D * H
+
+
+def _opt():
+    import functools
+
+    return functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-4)
+
+
+def _train_zero(rank, world):
+    """Every ZERO[world] plan: 2 steps, the norms, the final state, what the optimizer state
+    holds of the experts, ZeRO-3's freed experts; then a 3rd step and load_state_dict of the
+    step-2 state, and the step after it."""
+    import traceback
+
+    import autopar
+    from tests.models import ALL_CASES
+
+    out = {}
+    for label, plan, clip in ZERO[world]:
+        try:
+            case = ALL_CASES["moe_ep"](seed=5)
+            kw = {} if clip is None else {"max_grad_norm": clip}
+            pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_opt(),
+                                     plan=autopar.Plan(**plan), example_target=case.target, **kw)
+            res = {"losses": [], "norms": []}
+            for _ in range(2):
+                res["losses"].append(pm.step(case.inputs, case.target))
+                res["norms"].append(pm.metrics["grad_norm"])
+            dp, ep = pm.built.parallelisms["dp"], pm.built.parallelisms["ep"]
+            experts = set(ep.shards)
+            by_source: dict[int, set] = {}
+            sources = {}
+            for f, shards in dp.local_shards().items():
+                for sh in shards:
+                    by_source.setdefault(id(sh.source), set()).add(f)
+                    sources[id(sh.source)] = sh.source
+            mine = [k for k, names in by_source.items() if names & experts]
+            res["mixed"] = sorted(sorted(by_source[k]) for k in mine if by_source[k] - experts)
+            res["expert_state"] = sum(pm.optimizer.state[sources[k]]["exp_avg"].numel() for k in mine)
+            res["expert_sources_whole"] = all(tuple(sources[k].shape) == ep.shards[f].local_shape
+                                              for k in mine for f in by_source[k])
+            if dp.storage is not None:
+                groups = [g for g in dp.storage.groups if g.expert]
+                res["zero3"] = {"expert_groups": [(g.name, g.replicas, g.streamed) for g in groups],
+                                "freed": all(pm.built.params[f].numel() == 0 for g in groups for f in g.fqns),
+                                "gathers": dp.storage.gathers, "overflow": dp.storage.overflow_gathers}
+            state = {k: v.clone() for k, v in pm.state_dict().items()}
+            res["state"] = state
+            pm.step(case.inputs, case.target)
+            pm.load_state_dict(state)
+            res["reloaded_loss"] = pm.step(case.inputs, case.target)
+            out[label] = res
+        except Exception:  # noqa: BLE001 - report per sub-case
+            out[label] = traceback.format_exc()
+    return out
+
+
+def _sub_zero(rank, world, net_full, refs, x, t):
+    return _train_zero(rank, world)
+
+
+SUBCASES = {"eager": _sub_eager, "captured": _sub_captured, "group_mismatch": _sub_group_mismatch, "zero": _sub_zero}
 
 
 def _ranks(rank, world):
@@ -193,6 +269,15 @@ def _ranks(rank, world):
 @pytest.fixture(scope="module")
 def ep2_results():
     return run_shared(_ranks, 2, deadline_s=120, reuse=False)
+
+
+def _ranks4(rank, world):
+    return {"zero": ("ok", _train_zero(rank, world))}
+
+
+@pytest.fixture(scope="module")
+def ep4_results():
+    return run_shared(_ranks4, 4, deadline_s=180, reuse=False)
 
 
 def _assert_ok(results, name):
@@ -219,6 +304,65 @@ def test_ep2_captured_split_programs_equal_single_process(ep2_results):
 @pytest.mark.slow
 def test_ep_group_must_match_ep_and_rank(ep2_results):
     _assert_ok(ep2_results, "group_mismatch")
+
+
+def _check_zero(results, world):
+    """ZERO[world]'s sub-cases on every rank against eager (losses, norms, state, the step after
+    load_state_dict) and the hand count of the experts' optimizer state."""
+    from tests.dist.test_beyond_pp_dp import _eager_loss_in_state
+    from tests.models import ALL_CASES
+    from tests.reference import assert_close_state, eager_reference
+
+    _assert_ok(results, "zero")
+    failures = []
+    for label, plan, clip in ZERO[world]:
+        try:
+            case = ALL_CASES["moe_ep"](seed=5)
+            norms = []
+            ref_losses, ref_state = eager_reference(case.model, case.inputs, case.target, case.loss_fn, _opt(),
+                                                    dp=plan["dp"], num_microbatches=plan["num_microbatches"],
+                                                    steps=2, max_grad_norm=clip, norms=norms)
+            ref_next = _eager_loss_in_state("moe_ep", ref_state, plan["dp"], plan["num_microbatches"])
+            group = plan["dp"] // plan["ep"]  # the expert-data-parallel group: dp*cp/ep ranks
+            for r, res in enumerate(results):
+                res = res["zero"][1][label]
+                assert isinstance(res, dict), f"rank {r} raised:\n{res}"
+                for step, want in enumerate(ref_losses):
+                    torch.testing.assert_close(res["losses"][step], want, rtol=1e-5, atol=0,
+                                               msg=lambda m: f"rank {r} step {step}: {m}")
+                assert_close_state(res["state"], ref_state)
+                torch.testing.assert_close(res["reloaded_loss"], ref_next, rtol=1e-5, atol=0,
+                                           msg=lambda m: f"rank {r}: the step after load_state_dict: {m}")
+                if clip is not None:  # each expert element counted once in the norm
+                    assert min(float(n) for n in norms) > clip, "the clip never bites"
+                    for got, want in zip(res["norms"], norms):
+                        torch.testing.assert_close(torch.tensor(got), want.float(), rtol=1e-5, atol=0)
+                # this rank's E/ep experts, 1/group of their elements (no padding: 4608/2 is whole)
+                assert res["expert_state"] == MOE_EP_EXPERT_ELEMENTS // plan["ep"] // group, (r, res["expert_state"])
+                assert not res["mixed"], f"rank {r}: expert and dense parameters share a shard: {res['mixed']}"
+                assert res["expert_sources_whole"] == (group == 1), r
+                if plan.get("zero") == 3:
+                    z = res["zero3"]
+                    assert z["expert_groups"] == [(f"layers.{i}/experts", group, True) for i in range(2)], z
+                    assert z["freed"] and z["gathers"] > 0 and z["overflow"] == 0, z
+        except AssertionError as e:
+            failures.append(f"{label}: {e}")
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+def test_experts_zero1_with_expert_group_of_one_rank_equal_eager(ep2_results):
+    """dp=2 x ep=2 ZeRO-1: the expert-data-parallel group is one rank: each expert shard is
+    whole on its holder and stepped whole (its optimizer state has the shard's shape)."""
+    _check_zero(ep2_results, 2)
+
+
+@pytest.mark.slow
+def test_experts_zero_sharded_over_the_expert_group_equal_eager(ep4_results):
+    """dp=4 x ep=2 ZeRO-1 and ZeRO-3: expert shards sharded over their 2-rank expert-data-parallel
+    group (optimizer state halved, ZeRO-3 weights freed and gathered per use), clipping counts
+    every expert element once, load_state_dict re-shards them."""
+    _check_zero(ep4_results, 4)
 
 
 # ---------------------------------------------------------------------------- single process
