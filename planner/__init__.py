@@ -15,11 +15,14 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
                n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0, precision=None,
-               input_names=None, pin=None):
+               input_names=None, pin=None, moe=None, moe_imbalance: float | None = None):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
-    Layout fields to hold fixed (e.g. ``{"pp": 16, "ep": 64, "zero": 1}``); the rest is searched."""
+    Layout fields to hold fixed (e.g. ``{"pp": 16, "ep": 64, "zero": 1}``); the rest is searched.
+    ``moe``: the dropless MoE config (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``,
+    ``dtype``; presets carry it as ``PresetModel.moe``) that prices token-proportional
+    dispatch; ``moe_imbalance``: max/mean rows an EP rank receives (default 1.25)."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan
@@ -27,9 +30,11 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     device = device or current_profile()
     prof = profile_model(model, inputs, target, loss_fn, name=name, layer_repeats=layer_repeats,
                          expert_prefixes=expert_prefixes, n_heads=n_heads, n_experts=n_experts,
-                         seq_len=seq_len, progress=progress,
+                         seq_len=seq_len, progress=progress, moe=moe,
                          param_dtype=precision.param_dtype if precision is not None else None, input_names=input_names)
     kw = {}
+    if moe_imbalance is not None:
+        kw["moe_imbalance"] = float(moe_imbalance)
     if schedules:
         kw["schedules"] = tuple(schedules)
     blocker = None

@@ -51,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", default=None, help="fix layout fields and search the rest, e.g. "
                                                "pp=16,ep=64,dp=128,zero=1 (pp, dp, cp, ep, zero, schedule, "
                                                "microbatches, v, b)")
+    p.add_argument("--moe-imbalance", type=float, default=None,
+                   help="max/mean ratio of the routed rows an expert-parallel rank receives in a dropless MoE "
+                        "(default 1.25, the capacity factor Switch Transformers and GShard train with); prices the "
+                        "worst rank's all-to-all, expert compute and saved rows")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
 
@@ -151,7 +155,7 @@ def _run(args, say) -> int:
         say(f"building preset {args.preset} on the meta device (seq {seq})")
         pm = presets.build_preset(args.preset, seq_len=seq)
         kwargs = dict(name=pm.name, layer_repeats=pm.layer_repeats, expert_prefixes=pm.expert_param_prefixes,
-                      n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq)
+                      n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq, moe=pm.moe)
         model, inputs, target, loss_fn = pm.model, pm.inputs, pm.target, pm.loss_fn
     else:
         model, inputs, target, loss_fn = load_factory(args.model)
@@ -165,7 +169,8 @@ def _run(args, say) -> int:
     res, info = plan_model(model, inputs, target, loss_fn, gpus=args.gpus, global_batch=args.global_batch,
                            device=device, memory_limit=limit, exhaustive=args.all, schedules=schedules,
                            allow_cp=not args.no_cp, allow_ep=not args.no_ep,
-                           zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin, **kwargs)
+                           zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
+                           moe_imbalance=args.moe_imbalance, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     from .report import text, to_json
 

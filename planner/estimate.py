@@ -39,12 +39,16 @@ they can); ep groups are drawn from the dp*cp ranks of one stage.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autopar.parallel.zero_layout import MASTER_BYTES, ZeroLayout, zero_layout
+from autopar.parallel.zero_layout import MASTER_BYTES, ParamSpec, ZeroLayout, zero_layout
 from autopar.schedules import build, simulate
 from autopar.schedules.costs import Costs
+from autopar.schedules.ir import F as _F
+from autopar.schedules.ir import I as _I
+from autopar.schedules.ir import W as _W
 from autopar.schedules.simulate import peak_memory
 
 from . import comm
@@ -76,6 +80,109 @@ CPU_SHARED_BANDWIDTH = 0.72
 # rank spends ~1.5 ms per microbatch (one message out, one in). Used only for the cpu device.
 CPU_P2P_MESSAGE_S = 0.75e-3
 CPU_P2P_LATENCY_S = 1.0e-3
+
+# Default max/mean ratio of the rows an expert-parallel rank receives in a dropless MoE
+# dispatch: the capacity factor 1.25 that Switch Transformers (Fedus et al. 2021,
+# arXiv:2101.03961, section 2.2 and Table 1) and GShard (Lepikhin et al. 2020,
+# arXiv:2006.16668) train with as headroom for routing imbalance; ``--moe-imbalance`` sets it.
+DEFAULT_MOE_IMBALANCE = 1.25
+
+# ---------------------------------------------------------------------------------------------
+# activation peaks without building full schedules
+#
+# A fixed schedule's per-rank activation peak is a maximum over its action positions of
+# sum_s nF[s] * after_f[s] + nI[s] * after_i[s], where nF / nI count the microbatches of stage s
+# past their F (not yet I/B) and past their I (not yet W) at that position. The amounts are
+# >= 0, so only the count vectors no other one dominates matter (the rank's *frontier*); the
+# peak for any amounts is the largest dot product with them. Past a schedule's warm-up the
+# frontier no longer changes with m: ``_STEADY`` gives the m from which it is the same as at
+# that m (checked against the built schedules on a grid of (pp, m, v) in
+# tests/unit/test_planner.py); gpipe's is closed-form (every F before any B); v-half and
+# zb-h2 (greedy orders searched per (pp, m)) are built at their own m.
+_STEADY = {
+    "1f1b": lambda p, v: p,
+    "zb-h1": lambda p, v: p * v,
+    "interleaved-1f1b": lambda p, v: p * v,
+    "zbv": lambda p, v: 2 * p,
+    "dualpipev": lambda p, v: 2 * p,
+    "v-min": lambda p, v: p,
+}
+
+
+def steady_m(name: str, pp: int, m: int, v: int) -> int:
+    """The microbatch count whose built schedule has the same per-rank frontier as (pp, m, v)."""
+    cap = _STEADY.get(name)
+    if cap is None:
+        return m
+    c = cap(pp, v)
+    return c if m > c else m
+
+
+@lru_cache(maxsize=8192)
+def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
+    """Per rank: (its stages, the undominated (nF per stage..., nI per stage...) count vectors).
+    The steady schedules are made by their generator without ``registry.build``'s validation
+    (the frontier equals the validated schedule's: tests/unit/test_planner.py); the greedy ones
+    through ``registry.build`` (cached there)."""
+    from autopar.schedules.registry import get
+    from autopar.schedules.registry import layout as stage_layout
+
+    if name == "gpipe":  # all m forwards, then fused backwards: m microbatches at the peak
+        s2r = stage_layout(name, pp, v)
+        return tuple((tuple(s for s in range(len(s2r)) if s2r[s] == r),) + (((m,) * v + (0,) * v,),)
+                     for r in range(pp))
+    m_eff = steady_m(name, pp, m, v)
+    if m_eff != m:
+        return inflight_frontier(name, pp, m_eff, v)
+    sched = get(name).make(pp, m, v) if name in _STEADY else build(name, pp, m, v)
+    s2r = sched.stage_to_rank
+    out = []
+    for r, acts in enumerate(sched.actions):
+        stages = tuple(s for s in range(len(s2r)) if s2r[s] == r)
+        idx = {s: j for j, s in enumerate(stages)}
+        k = len(stages)
+        st = [0] * (2 * k)
+        pts = set()
+        for a in acts:
+            j = idx[a.stage]
+            t = a.type
+            if t == _F:
+                st[j] += 1
+            elif t == _I:
+                st[j] -= 1
+                st[k + j] += 1
+            elif t == _W:
+                st[k + j] -= 1
+            else:  # B
+                st[j] -= 1
+            if t == _F or t == _I:
+                pts.add(tuple(st))
+        keep: list[tuple[int, ...]] = []
+        for pt in sorted(pts, reverse=True):
+            if not any(all(x >= y for x, y in zip(q, pt)) for q in keep):
+                keep.append(pt)
+        out.append((stages, tuple(sorted(keep))))
+    return tuple(out)
+
+
+def frontier_peaks(frontier, after_f, after_i) -> tuple[float, ...]:
+    """Per-rank peaks of ``inflight_frontier`` for per-stage amounts after F and after I."""
+    peaks = []
+    for stages, vecs in frontier:
+        amounts = [after_f[s] for s in stages] + [after_i[s] for s in stages]
+        peaks.append(max((sum(c * a for c, a in zip(vec, amounts) if c) for vec in vecs), default=0.0))
+    return tuple(max(0.0, p) for p in peaks)
+
+
+def max_inflight(frontier, skip_stage0: bool = True) -> tuple[int, ...]:
+    """Per rank: the most stage-microbatches holding activations at once (stage 0's left out
+    when ``skip_stage0``: a recomputing stage 0 keeps only the token ids)."""
+    out = []
+    for stages, vecs in frontier:
+        k = len(stages)
+        keep = [j for j, s in enumerate(stages) if not (skip_stage0 and s == 0)]
+        out.append(max((sum(vec[j] + vec[k + j] for j in keep) for vec in vecs), default=0))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -177,7 +284,11 @@ class Evaluator:
     """Prices candidates of one model on one device; caches unit times per (kind, scale)."""
 
     def __init__(self, profile: ModelProfile, device, memory_limit: float, global_batch: int,
-                 bucket_bytes: float = 25 * 2 ** 20):
+                 bucket_bytes: float = 25 * 2 ** 20, moe_imbalance: float = DEFAULT_MOE_IMBALANCE):
+        if not moe_imbalance >= 1.0:
+            raise ValueError(f"moe_imbalance is the max/mean ratio of the rows an expert-parallel rank receives: "
+                             f"it must be >= 1, got {moe_imbalance}")
+        self.moe_imbalance = float(moe_imbalance)
         self.profile = profile
         self.device = device
         self.memory_limit = float(memory_limit)
@@ -188,6 +299,29 @@ class Evaluator:
         self._times: dict = {}
         self._sims: dict = {}   # identical pipelines (e.g. ZeRO 0/1/2 of one layout) simulate once
         self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
+        self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
+
+    def expert_replicas(self, lay: Layout) -> int:
+        """Ranks holding the same experts (the expert-data-parallel group): dp*cp/ep."""
+        return max(1, (lay.dp * lay.cp) // lay.ep)
+
+    def routed(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
+        """(mean, worst rank) bytes the unit's token-proportional MoE dispatch keeps from F to W
+        per microbatch on one rank: the received rows and the experts' saved activations. The
+        worst rank receives ``moe_imbalance`` times the mean under expert parallelism; a rank
+        holding every expert (ep = 1) gets exactly the routed rows. (0, 0) without a routed MoE."""
+        r = kind.routed
+        if r is None:
+            return 0.0, 0.0
+        mean = r.rows * self.scale(lay) * r.saved_row_bytes
+        return mean, mean * (self.moe_imbalance if lay.ep > 1 else 1.0)
+
+    def unit_saved(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
+        """(after F, after I) bytes one microbatch of the unit keeps, routed MoE imbalance included
+        (the capture holds the mean routed rows; the worst rank keeps ``moe_imbalance`` times them)."""
+        sc = self.scale(lay)
+        mean, worst = self.routed(kind, lay)
+        return kind.saved_bytes * sc + worst - mean, kind.saved_after_i * sc + worst - mean
 
     # ------------------------------------------------------------------ per-unit quantities
     def scale(self, lay: Layout) -> float:
@@ -196,7 +330,8 @@ class Evaluator:
     def links(self, lay: Layout):
         d = self.device
         return {"cp": comm.group_link(d, lay.cp, 1), "dp": comm.group_link(d, lay.dp * lay.cp, 1),
-                "ep": comm.group_link(d, lay.ep, 1), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp)}
+                "ep": comm.group_link(d, lay.ep, 1), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp),
+                "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep)}
 
     def unit_times(self, kind: UnitKind, lay: Layout) -> tuple[float, float, float]:
         key = (id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
@@ -209,13 +344,30 @@ class Evaluator:
         if lay.cp > 1 and kind.attention_bytes:
             a2a = comm.all_to_all_time(kind.attention_bytes * sc, lay.cp, links["cp"])
             f, i = f + a2a, i + a2a
-        if lay.ep > 1 and kind.dispatch_bytes:
+        r = kind.routed
+        if lay.ep > 1 and r is not None:
+            # token-proportional dropless dispatch: per MoE and microbatch the routed rows go out
+            # and come back (dispatch, combine) in F, and again as gradients in I, priced by the
+            # worst rank's receive (moe_imbalance x the mean N*k rows); that rank also runs its
+            # experts on the extra rows (F, I and W: one GEMM each per forward GEMM)
+            imb = self.moe_imbalance
+            a2a = 2 * comm.all_to_all_time(r.rows * sc * imb * r.row_bytes, lay.ep, links["ep"])
+            extra = (imb - 1.0) * r.rows * sc * r.flops_per_row / self.device.flops_rate(r.dtype)
+            f, i, w = f + a2a + extra, i + a2a + extra, w + extra
+        elif lay.ep > 1 and kind.dispatch_bytes:  # static capacity: the whole expert buffers move
             a2a = 2 * comm.all_to_all_time(kind.dispatch_bytes * sc, lay.ep, links["ep"])
             f, i = f + a2a, i + a2a
         if lay.zero == 3 and lay.dp * lay.cp > 1:
             # runtime/sharded.py: F and I of every microbatch gather the unit's layer group (W
-            # reads no parameters); the reduce-scatter is once per step (after_pipeline)
-            gather = self.collective("all_gather", self.unit_weight_bytes(kind, lay), lay.dp * lay.cp, links["dp"])
+            # reads no parameters); the reduce-scatter is once per step (after_pipeline); expert
+            # weights gather over their expert-data-parallel group
+            n_exp = kind.expert_params / lay.ep
+            e = self.expert_replicas(lay)
+            wb = self.precision.weight
+            gather = self.collective("all_gather", (kind.params - kind.expert_params) * wb, lay.dp * lay.cp,
+                                     links["dp"])
+            if e > 1 and n_exp:
+                gather += self.collective("all_gather", n_exp * wb, e, links["edp"])
             if self.device.name == "cpu":  # gloo and the programs share the cores: nothing hides
                 f, i = f + gather, i + gather
             else:  # prefetched into the other buffer while the previous group computes
@@ -233,18 +385,25 @@ class Evaluator:
     def unit_static(self, kind: UnitKind, lay: Layout) -> float:
         """Parameter + gradient + optimizer bytes of one unit on one rank, after ZeRO sharding,
         without the ZeRO-2/3 padding (at most what ``memory`` counts for the unit). Expert
-        weights (split by ep) are never ZeRO-sharded: their optimizer steps them whole."""
-        d = lay.dp * lay.cp
-        p = self.precision
+        weights (split by ep) are sharded the same way over their expert-data-parallel group
+        (dp*cp/ep ranks; whole when that group is one rank)."""
         n_exp = kind.expert_params / lay.ep
         n = kind.params - kind.expert_params
-        experts = (p.weight + p.grad + p.optim) * n_exp
-        if lay.zero >= 2 and d > 1:
-            grads = 4.0 * n * (1 + 1 / d)  # the flat fp32 buffers and their shards
-            if lay.zero == 3:  # fp32 master shards, the resident group (norms, biases) whole
-                return MASTER_BYTES * n / d + p.weight * kind.small_params + grads + p.adam * n / d + experts
-            return p.weight * n + grads + (p.adam + MASTER_BYTES) * n / d + experts
-        return (p.weight + p.grad) * n + self.optim_per_param(lay) * (n / d if lay.zero >= 1 else n) + experts
+        return (sum(self.static_per_elem(lay.zero, lay.dp * lay.cp, kind.small_params / n if n else 0.0)) * n
+                + sum(self.static_per_elem(lay.zero, self.expert_replicas(lay))) * n_exp)
+
+    def static_per_elem(self, zero: int, g: int, small: float = 0.0) -> tuple[float, float, float]:
+        """(weight, gradient, optimizer) bytes per parameter element sharded over ``g`` replicas at
+        ZeRO level ``zero``, without padding; ``small``: the share of ZeRO-3's resident group
+        (norms, biases: kept whole)."""
+        p = self.precision
+        if zero >= 2 and g > 1:
+            grads = 4.0 * (1 + 1 / g)  # the flat fp32 buffers and their shards
+            if zero == 3:  # fp32 master shards, the resident group whole
+                return MASTER_BYTES / g + p.weight * small, grads, p.adam / g
+            return p.weight, grads, (p.adam + MASTER_BYTES) / g
+        master = 4 if (zero in (1, 2) and g > 1 and p.weight == 4) else 0
+        return p.weight, p.grad, (p.optim + master) / (g if zero >= 1 else 1)
 
     def grad_per_param(self, lay: Layout) -> float:
         """Gradient bytes per parameter element at the backward's peak. ZeRO-0/1: the gradients.
@@ -265,7 +424,7 @@ class Evaluator:
         master = 4 if (lay.zero in (1, 2) and lay.dp * lay.cp > 1 and p.weight == 4) else 0
         return p.optim + master
 
-    def reduction_bytes(self, lay: Layout, n: float) -> tuple[str, float]:
+    def reduction_bytes(self, lay: Layout, n: float, n_exp: float = 0.0) -> tuple[str, float]:
         """(name, bytes) of the gradient-reduction buffers a rank holding ``n`` parameter
         elements allocates after its backward (none with dp = 1):
 
@@ -277,14 +436,17 @@ class Evaluator:
           ``grad_per_param`` counts, none on NCCL; on the ``cpu`` profile gloo's
           ``reduce_scatter_tensor`` copies its whole input while it is in flight (measured: a
           4 MiB reduce-scatter over 2 gloo ranks peaks 4 MiB above its input and output), and
-          a rank's groups are reduce-scattered together after its last W: 4n."""
+          a rank's groups are reduce-scattered together after its last W: 4n.
+
+        ``n_exp`` of the ``n`` elements are expert weights, whose ZeRO-1 shard is over the
+        expert-data-parallel group (dp*cp/ep)."""
         d = lay.dp * lay.cp
         if d <= 1:
             return "dp buckets", 0.0
         if lay.zero == 0:
             return "dp buckets", 4.0 * n
         if lay.zero == 1:
-            return "zero-1 buffers", 4.0 * (2 * n + n / d)
+            return "zero-1 buffers", 4.0 * (2 * n + (n - n_exp) / d + n_exp / self.expert_replicas(lay))
         return "dp buckets", 4.0 * n if self.device.name == "cpu" else 0.0
 
     # ------------------------------------------------------------------ stages
@@ -331,13 +493,29 @@ class Evaluator:
         return Costs(f=tuple(f), i=tuple(i), w=tuple(w))
 
     def stage_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
-        out = []
+        return tuple(max(x, 1.0) for x in self.stage_amounts(lay, part)[0])  # >= 1 byte: zb-auto divides by it
+
+    def stage_amounts(self, lay: Layout, part: Partition, moe: bool = True) -> tuple[tuple, tuple]:
+        """Per stage, the bytes one microbatch keeps after F and after I (``unit_saved``; a
+        recomputing stage keeps its input); ``moe=False``: without the routed MoE rows."""
+        sc = self.scale(lay)
+        after_f, after_i = [], []
         for kinds, rc in zip(self.stage_kinds(part), part.recompute):
             if rc:
-                out.append(kinds[0].in_bytes * self.scale(lay))
-            else:
-                out.append(sum(k.saved_bytes for k in kinds) * self.scale(lay))
-        return tuple(max(x, 1.0) for x in out)  # >= 1 byte: zb-auto divides by it
+                a = kinds[0].in_bytes * sc
+                after_f.append(a)
+                after_i.append(a)
+                continue
+            f = i = 0.0
+            for k in kinds:
+                a, b = self.unit_saved(k, lay)
+                if not moe:
+                    worst = self.routed(k, lay)[1]
+                    a, b = max(0.0, a - worst), max(0.0, b - worst)
+                f, i = f + a, i + b
+            after_f.append(f)
+            after_i.append(i)
+        return tuple(after_f), tuple(after_i)
 
     def i_free_fraction(self, part: Partition) -> float:
         """Share of a stage's saved bytes released by I (the smallest over stages: conservative)."""
@@ -348,23 +526,20 @@ class Evaluator:
             fr.append(0.0 if rc or saved <= 0 else max(0.0, 1.0 - after / saved))
         return min(fr) if fr else 0.5
 
-    def activation_peaks(self, sched, lay: Layout, part: Partition) -> tuple[float, ...]:
+    def activation_peaks(self, sched, lay: Layout, part: Partition, moe: bool = True) -> tuple[float, ...]:
         """Per-rank peak of saved activations over the schedule's action order (bytes).
 
         ``schedules.simulate.peak_memory`` with per-stage amounts after F and after I: after I a
         microbatch holds what W reads (``saved_after_i``), the saved values plus what I computed
         for W, which can exceed what F saved. A recomputing stage keeps
-        only its input until I, and its I/W pair is counted as keeping that."""
-        sc = self.scale(lay)
-        after_f, after_i = [], []
-        for kinds, rc in zip(self.stage_kinds(part), part.recompute):
-            if rc:
-                a = kinds[0].in_bytes * sc
-                after_f.append(a)
-                after_i.append(a)
-            else:
-                after_f.append(sum(k.saved_bytes for k in kinds) * sc)
-                after_i.append(sum(k.saved_after_i for k in kinds) * sc)
+        only its input until I, and its I/W pair is counted as keeping that.
+
+        Fixed-order schedules (every one but zb-auto; ``sched`` may then be None) take the
+        schedule's in-flight frontier (:func:`inflight_frontier`), which gives the same peaks as
+        walking the built schedule without building it at every m."""
+        after_f, after_i = self.stage_amounts(lay, part, moe)
+        if lay.schedule != "zb-auto" or sched is None:
+            return frontier_peaks(inflight_frontier(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i)
         key = (id(sched), tuple(after_f), tuple(after_i))
         hit = self._act_peaks.get(key)
         if hit is not None and hit[0] is sched:
@@ -488,7 +663,7 @@ class Evaluator:
             sim = simulate(sched, costs, p2p_latency=alpha, p2p_bandwidth=links["pp"].bandwidth,
                            message_bytes=msg, stage_bytes=sb, i_free_fraction=frac)
             self._sims[key] = sim
-        memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part))
+        memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part), sched)
         dp_exposed, opt = self.after_pipeline(lay, part, s2r, sim, links)
         p = self.precision
         est = Estimate(layout=lay, partition=part, stage_to_rank=tuple(s2r), stage_costs=costs,
@@ -549,6 +724,7 @@ class Evaluator:
         for r in range(lay.pp):
             stages = sorted((s for s in range(len(s2r)) if s2r[s] == r), key=lambda s: done.get(s, 0.0))
             n = self.rank_params(lay, part, s2r, r)
+            n_e = sum(k.expert_params for s in stages for k in kinds[s]) / lay.ep
             tensors = sum(k.param_tensors for s in stages for k in kinds[s])
             t = end[r]
             for numel, ranks in tied:
@@ -559,32 +735,44 @@ class Evaluator:
                 tr = 0.0
                 for s in stages:
                     ns = sum(self.unit_params(k, lay) for k in kinds[s]) - self.shared_duplicates(part, [s])
+                    ns_e = sum(k.expert_params for k in kinds[s]) / lay.ep
                     tr = max(tr, done.get(s, end[r])) + 2 * 4 * ns / bw \
-                        + self.collective("all_reduce", 4 * ns, d, links["dp"])
+                        + self.group_collective("all_reduce", 4, ns - ns_e, ns_e, lay, links)
                 t = max(t, tr) + 2 * 4 * n / bw + tensors * ov
             elif d > 1 and lay.zero == 1:
                 t += (3 * 4 * n / bw + 2 * tensors * ov                                # flatten
-                      + self.collective("reduce_scatter", 4 * n, d, links["dp"])
-                      + self.collective("all_gather", 4 * n, d, links["dp"])
+                      + self.group_collective("reduce_scatter", 4, n - n_e, n_e, lay, links)
+                      + self.group_collective("all_gather", 4, n - n_e, n_e, lay, links)
                       + 2 * 4 * n / bw + tensors * ov)                                 # copy back
             elif d > 1 and lay.zero >= 2:
                 # runtime/sharded.py: each layer group's flat fp32 gradients are reduce-scattered
                 # once, after its last W; ZeRO-2 then all-gathers the stepped shards and copies them
-                red = self.collective("reduce_scatter", 4 * n, d, links["dp"])
+                red = self.group_collective("reduce_scatter", 4, n - n_e, n_e, lay, links)
                 t += red if self.device.name == "cpu" else max(0.0, red - last_bwd[r][1])
                 if lay.zero == 2:
-                    t += self.collective("all_gather", n * p.weight, d, links["dp"]) + 2 * 4 * n / bw
+                    t += self.group_collective("all_gather", p.weight, n - n_e, n_e, lay, links) + 2 * 4 * n / bw
             if lay.pp > 1:
                 t += links["pp"].alpha_s
             if d > 1:
                 t += links["dp"].alpha_s
-            o = self.optimizer_time(lay, n, tensors)
+            o = self.optimizer_time(lay, n, tensors, n_e)
             finish.append(t + o)
             opt_of.append(o)
         r = max(range(lay.pp), key=finish.__getitem__)
         return max(0.0, finish[r] - opt_of[r] - sim.makespan), opt_of[r]
 
-    def optimizer_time(self, lay: Layout, n: float, tensors: int) -> float:
+    def group_collective(self, kind: str, elem_bytes: float, n_dense: float, n_exp: float, lay: Layout,
+                         links) -> float:
+        """A gradient/parameter collective of ``n_dense`` elements over dp*cp and ``n_exp``
+        expert elements over their expert-data-parallel group (dp*cp/ep; none when it is one
+        rank), one after the other."""
+        t = self.collective(kind, elem_bytes * n_dense, lay.dp * lay.cp, links["dp"]) if n_dense > 0 else 0.0
+        e = self.expert_replicas(lay)
+        if n_exp > 0 and e > 1:
+            t += self.collective(kind, elem_bytes * n_exp, e, links["edp"])
+        return t
+
+    def optimizer_time(self, lay: Layout, n: float, tensors: int, n_exp: float = 0.0) -> float:
         """One optimizer step over a rank's ``n`` parameter elements in ``tensors`` tensors.
 
         fp32 weights: ``torch.optim.Adam``/``AdamW`` as the runtime runs them (the per-tensor
@@ -596,14 +784,17 @@ class Evaluator:
         5.2 ns per element on one 4M-element tensor (15.5 GB/s at 80 B/element, the
         streaming bandwidth the cpu profile measures) and 42 us per 8-element tensor. ZeRO-1
         steps one flat shard (one tensor of n/dp elements). bf16 weights: a fused
-        mixed-precision Adam (read and write weights, gradients and states once)."""
+        mixed-precision Adam (read and write weights, gradients and states once). ``n_exp`` of
+        the ``n`` elements are expert weights, sharded over dp*cp/ep instead of dp*cp."""
         d = lay.dp * lay.cp
+        e = self.expert_replicas(lay)
         p = self.precision
         bw = self.stream_bandwidth(lay)
+        sharded = (n - n_exp) / d + n_exp / e
         if lay.zero == 1 and d > 1:
-            shard, tensors = n / d, 1
+            shard, tensors = sharded, 1
         else:
-            shard = n / d if (lay.zero >= 1 and d > 1) else n
+            shard = sharded if (lay.zero >= 1 and d > 1) else n
         moved = shard * (20 * 4 if p.weight == 4 else (p.weight + p.grad + p.optim) * 2)
         return moved / bw + self.device.op_overhead_s * tensors * 12
 
@@ -628,8 +819,10 @@ class Evaluator:
 
     def peak_memory_only(self, lay: Layout, part: Partition) -> list[float]:
         """Per-rank peak bytes of a fixed-order schedule, without timing it."""
-        sched = build(lay.schedule, lay.pp, lay.m, lay.v)
-        return self.memory(lay, part, sched.stage_to_rank, self.activation_peaks(sched, lay, part))[1]
+        from autopar.schedules.registry import layout as stage_layout
+
+        s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * lay.num_stages
+        return self.memory(lay, part, s2r, self.activation_peaks(None, lay, part))[1]
 
     def rank_specs(self, part: Partition, s2r, rank: int) -> list:
         """The ParamSpecs of every parameter ``rank`` holds (once each, in unit order)."""
@@ -644,12 +837,26 @@ class Evaluator:
         return out
 
     def zero_layout(self, lay: Layout, part: Partition, s2r, rank: int) -> ZeroLayout | None:
-        """The ZeRO-2/3 layout ``rank`` shards its non-expert parameters into, exactly as the
-        runtime builds it (autopar.parallel.zero_layout); None without ZeRO-2/3 over replicas or
-        when the profile's units carry no parameter names."""
+        """The ZeRO-2/3 layout ``rank`` shards its parameters into, exactly as the runtime
+        builds it (autopar.parallel.zero_layout); None without ZeRO-2/3 over replicas or when
+        the profile's units carry no parameter names. Expert weights with an expert dimension
+        ep divides are in it with their local shape, over dp*cp/ep (``expert_replicas``);
+        ``zero_layout_experts`` says whether they are. Computed once per (ZeRO level,
+        replicas, ep, boundaries, stage layout, rank): layouts differing in m or b share it."""
+        return self._zero_layout(lay, part, s2r, rank)[0]
+
+    def zero_layout_experts(self, lay: Layout, part: Partition, s2r, rank: int) -> bool:
+        return self._zero_layout(lay, part, s2r, rank)[1]
+
+    def _zero_layout(self, lay: Layout, part: Partition, s2r, rank: int) -> tuple[ZeroLayout | None, bool]:
         d = lay.dp * lay.cp
         if lay.zero < 2 or d == 1 or not all(u.params or not u.kind.params for u in self.units):
-            return None
+            return None, False
+        e = self.expert_replicas(lay)
+        key = (lay.zero, d, e, lay.ep, part.bounds, tuple(s2r), rank)
+        hit = self._zl.get(key)
+        if hit is not None:
+            return hit
         experts = set().union(*(u.experts for u in self.units))
         holders: dict[str, set[int]] = {}
         for s in range(len(s2r)):
@@ -657,14 +864,31 @@ class Evaluator:
                 for spec in u.params:
                     holders.setdefault(spec.fqn, set()).add(s2r[s])
         tied = {f for f, ranks in holders.items() if len(ranks) > 1}
-        plain = [spec for spec in self.rank_specs(part, s2r, rank) if spec.fqn not in experts]
-        return zero_layout(plain, lay.zero, d, tied)
+        specs = self.rank_specs(part, s2r, rank)
+        mine = [spec for spec in specs if spec.fqn in experts]
+        local = (_ZL_EXPERTS and e > 1 and bool(mine)
+                 and all(spec.shape and spec.shape[0] % lay.ep == 0 for spec in mine))
+        plain = [spec for spec in specs if spec.fqn not in experts]
+        if local:
+            plain = [spec if spec.fqn not in experts
+                     else ParamSpec(spec.fqn, (spec.shape[0] // lay.ep,) + tuple(spec.shape[1:])) for spec in specs]
+            zl = zero_layout(plain, lay.zero, d, tied - experts, experts={s.fqn for s in mine}, expert_replicas=e)
+        else:
+            zl = zero_layout(plain, lay.zero, d, tied)
+        self._zl[key] = (zl, local)
+        return zl, local
 
-    def memory(self, lay: Layout, part: Partition, s2r, act_peaks) -> tuple[list[dict], list[float]]:
-        """Per-rank components (bytes) and totals; ``act_peaks`` from :meth:`activation_peaks`."""
+    def memory(self, lay: Layout, part: Partition, s2r, act_peaks, sched=None) -> tuple[list[dict], list[float]]:
+        """Per-rank components (bytes) and totals; ``act_peaks`` from :meth:`activation_peaks`
+        (``sched``: the built schedule, needed only for zb-auto's MoE receive split). Of the
+        activation peak, "moe receive" is what the routed MoE rows (received rows and the
+        experts' saved activations, at the worst rank's imbalance) add to it."""
         sc = self.scale(lay)
         rows, totals = [], []
         stage_kinds = self.stage_kinds(part)
+        moe_free = None
+        if any(u.kind.routed is not None for u in self.units) and (lay.schedule != "zb-auto" or sched is not None):
+            moe_free = self.activation_peaks(sched, lay, part, moe=False)
         for r in range(lay.pp):
             kinds = [k for s in range(len(s2r)) if s2r[s] == r for k in stage_kinds[s]]
             n = self.rank_params(lay, part, s2r, r)
@@ -672,14 +896,16 @@ class Evaluator:
             static = self._static_rows(lay, part, s2r, r, n, n_exp, kinds)
             gather = static.pop("zero-3 gather")
             act = float(act_peaks[r])
+            moe = max(0.0, act - moe_free[r]) if moe_free is not None else 0.0
             work = max((k.work_bytes for k in kinds), default=0.0) * sc
             gout = self.grad_output_bytes(lay, part, s2r, r)
             # the reduction buffers come after the rank's backward, when its activations and
             # transients are gone: only what they need beyond the pipeline phase's peak counts
-            red_name, red = self.reduction_bytes(lay, n)
+            red_name, red = self.reduction_bytes(lay, n, n_exp)
             row = {
                 **static,
-                "activations": act,
+                "activations": act - moe,
+                "moe receive": moe,
                 "working": work,
                 "grad outputs": gout,
                 "p2p buffers": self.p2p_bytes(lay, part, s2r, r),
@@ -698,8 +924,9 @@ class Evaluator:
         ``n``: parameter elements it holds (experts split by ep), ``n_exp`` of which experts."""
         p = self.precision
         d = lay.dp * lay.cp
-        experts = {"weights": p.weight * n_exp, "gradients": p.grad * n_exp, "optimizer": p.optim * n_exp}
-        zl = self.zero_layout(lay, part, s2r, rank)
+        zl, local = self._zero_layout(lay, part, s2r, rank)
+        ew, eg, eo = (0.0, 0.0, 0.0) if local else self.static_per_elem(lay.zero, self.expert_replicas(lay))
+        experts = {"weights": ew * n_exp, "gradients": eg * n_exp, "optimizer": eo * n_exp}
         if zl is not None:  # ZeRO-2/3, laid out as the runtime does (padding, resident group)
             pb = zl.parameter_bytes(p.weight)
             if lay.zero == 3:
@@ -720,6 +947,10 @@ class Evaluator:
                    "optimizer": self.optim_per_param(lay) * (plain / d if lay.zero >= 1 else plain),
                    "zero-3 gather": 0.0}
         return {k: v + experts.get(k, 0.0) for k, v in row.items()}
+
+
+# the ZeRO layout takes expert shards over their own replicas (autopar.parallel.zero_layout)
+_ZL_EXPERTS = "expert_replicas" in inspect.signature(zero_layout).parameters
 
 
 @lru_cache(maxsize=None)

@@ -12,13 +12,16 @@ By default (``full_depth=False``) the built model holds ONE block per distinct b
 * ``llama3-*``:     ``{"layers.0": n_layers}``
 * ``mixtral-8x7b``: ``{"layers.0": 32}``
 * ``deepseek-v3``:  ``{"layers.0": 3, "layers.1": 58}`` (dense FFN block, MoE block)
+* ``glm-5``:        ``{"layers.0": 3, "layers.1": 75}``
 
 With ``full_depth=True`` every layer is built and maps to 1.
 
-The MoE presets use ``capacity_factor=1.0``: the expert buffers hold exactly the balanced
-share of the ``tokens * top_k`` assignments, so the expert FLOPs equal the balanced-routing
-ideal (``top_k`` dense FFNs of width ``expert_hidden`` per token); a real run with imbalance
-drops the overflow. Pass ``capacity_factor=`` to model headroom (e.g. 1.25).
+The MoE presets are captured with ``capacity_factor=1.0``: the expert buffers hold exactly the
+balanced share of the ``tokens * top_k`` assignments, so the expert FLOPs and saved rows equal
+the mean of a dropless dispatch (``top_k`` dense FFNs of width ``expert_hidden`` per token),
+and ``PresetModel.moe`` makes the planner price them as dropless: token-proportional
+all-to-alls and the worst rank's ``--moe-imbalance`` share of the rows (planner/estimate.py).
+Pass ``capacity_factor=`` for a static-capacity MoE (drops overflow; priced by its buffers).
 
 Not modelled: DeepSeek-V3's multi-token-prediction module (the 671B figure excludes it; the
 14B MTP weights on the hub are extra) and YaRN context extension (RoPE tables are plain).
@@ -35,7 +38,8 @@ import torch.nn as nn
 from autopar.examples.gpt import GPT, GPTConfig, gpt_loss
 from autopar.examples.llama import Llama, LlamaConfig, llama_loss
 
-__all__ = ["PresetModel", "names", "build_preset", "parameter_count", "published_parameter_count"]
+__all__ = ["PresetModel", "names", "build_preset", "parameter_count", "published_parameter_count",
+           "active_parameter_count", "published_active_parameter_count"]
 
 DTYPE = torch.bfloat16
 PRESET_CAPACITY_FACTOR = 1.0
@@ -56,6 +60,10 @@ class PresetModel:
     n_experts: int = 0
     top_k: int = 0
     source: str = ""
+    # the dropless MoE config the planner prices the dispatch with (planner.profile._routed):
+    # n_experts, top_k, expert_hidden, d_model, dtype; None for dense presets and for a
+    # static-capacity build (``capacity_factor=``)
+    moe: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class _Spec:
     config: object                # GPTConfig or LlamaConfig at full depth (seq_len = published context)
     source: str
     published_params: float
+    published_active: float = 0.0   # parameters one token uses (MoE), as the source states; 0 if not stated
 
 
 # GPT-3 175B -- Brown et al. 2020, "Language Models are Few-Shot Learners" (arXiv 2005.14165),
@@ -124,10 +133,33 @@ _DEEPSEEK_V3 = _Spec(
                 attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
                 qk_rope_head_dim=64, v_head_dim=128),
     "DeepSeek-AI 2024, DeepSeek-V3 Technical Report (arXiv:2412.19437), section 4.2; "
-    "deepseek-ai/DeepSeek-V3 config.json", 671e9)
+    "deepseek-ai/DeepSeek-V3 config.json", 671e9, 37e9)
+
+# GLM-5 -- GLM-5 Team 2026, "GLM-5: from Vibe Coding to Agentic Engineering" (arXiv:2602.15763),
+# architecture table (744B total / 40B activated; 3 dense + 75 MoE layers; hidden 6144; dense
+# intermediate 12288; MoE intermediate 2048; 256 experts, 8 routed + 1 shared per token; Q LoRA
+# 2048, KV LoRA 512; 64 heads; vocabulary 154880), and the zai-org/GLM-5 config as transformers'
+# GlmMoeDsaConfig defaults (models/glm_moe_dsa/configuration_glm_moe_dsa.py): 78 layers,
+# first_k_dense_replace 3, qk_nope_head_dim 192, qk_rope_head_dim 64, v_head_dim 256,
+# num_key_value_heads 64, routed_scaling_factor 2.5, norm_topk_prob, n_group = topk_group = 1,
+# rms_norm_eps 1e-5, untied embeddings. Scores: sigmoid with a selection-only correction bias
+# (GLM-4.5/DeepSeek-V3 style). Not modelled: the DeepSeek-Sparse-Attention indexer (32 heads of
+# 128, about 9M parameters per layer, 0.1% of the total; attention is priced dense) and the MTP
+# layer. rope_theta changes no shape (10000 here); context 4096 is this preset's default.
+_GLM5 = _Spec(
+    "glm-5", "llama",
+    LlamaConfig(vocab_size=154880, d_model=6144, n_layers=78, n_heads=64, n_kv_heads=64, ffn_hidden=12288,
+                seq_len=4096, rope_theta=10000.0, norm_eps=1e-5,
+                n_experts=256, top_k=8, expert_hidden=2048, n_shared_experts=1, n_dense_layers=3,
+                capacity_factor=PRESET_CAPACITY_FACTOR, aux_loss_weight=1e-4, score_func="sigmoid",
+                norm_topk_prob=True, route_scale=2.5, n_expert_groups=1, topk_groups=1, selection_bias=True,
+                attention="mla", q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192,
+                qk_rope_head_dim=64, v_head_dim=256),
+    "GLM-5 Team 2026, GLM-5: from Vibe Coding to Agentic Engineering (arXiv:2602.15763), architecture table; "
+    "zai-org/GLM-5 config (transformers GlmMoeDsaConfig)", 744e9, 40e9)
 
 _PRESETS: dict[str, _Spec] = {s.name: s for s in (
-    _GPT3, _LLAMA3_8B, _LLAMA3_70B, _LLAMA3_405B, _MIXTRAL, _DEEPSEEK_V3)}
+    _GPT3, _LLAMA3_8B, _LLAMA3_70B, _LLAMA3_405B, _MIXTRAL, _DEEPSEEK_V3, _GLM5)}
 
 EXPERT_PARAM_PREFIXES = ("feed_forward.experts.",)
 
@@ -189,12 +221,40 @@ def build_preset(name: str, seq_len: int, microbatch_size: int = 1, full_depth: 
         tokens = torch.empty(microbatch_size, seq_len, dtype=torch.long)
         target = torch.empty(microbatch_size, seq_len, dtype=torch.long)
     is_moe = spec.kind == "llama" and spec.config.n_experts > 0
+    moe = None
+    if is_moe and capacity_factor is None:
+        moe = {"n_experts": cfg.n_experts, "top_k": cfg.top_k, "expert_hidden": cfg.expert_hidden,
+               "d_model": cfg.d_model, "dtype": DTYPE}
     return PresetModel(
         name=name, model=model, inputs=(tokens,), target=target, loss_fn=loss_fn,
         layer_repeats=repeats, num_layers=num_layers, n_heads=n_heads, n_kv_heads=n_kv_heads,
         expert_param_prefixes=EXPERT_PARAM_PREFIXES if is_moe else (),
         n_experts=spec.config.n_experts if is_moe else 0, top_k=spec.config.top_k if is_moe else 0,
-        source=spec.source)
+        source=spec.source, moe=moe)
+
+
+def published_active_parameter_count(name: str) -> float:
+    """The activated (per-token) parameter count the source states (0 for dense presets)."""
+    return _spec(name).published_active
+
+
+@functools.lru_cache(maxsize=None)
+def active_parameter_count(name: str) -> int:
+    """Parameters one token computes with in the full-depth model: everything but the routed
+    experts and the input embedding table (a lookup), plus top_k / n_experts of the routed
+    experts (GLM-5's 40B and DeepSeek-V3's 37B count this way: 40.1B and 36.6B here)."""
+    spec = _spec(name)
+    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True)
+    total = experts = 0
+    embedding = preset.model.get_submodule("tok_embeddings").weight
+    for fqn, p in preset.model.named_parameters():
+        if p is not embedding:
+            total += p.numel()
+        if any(x in fqn for x in preset.expert_param_prefixes):
+            experts += p.numel()
+    if not preset.n_experts:
+        return total
+    return total - experts + experts * preset.top_k // preset.n_experts
 
 
 @functools.lru_cache(maxsize=None)

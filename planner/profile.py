@@ -38,7 +38,7 @@ import logging
 import math
 import operator
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -141,6 +141,9 @@ class UnitKind:
     dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume)
     work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
     small_params: int = 0     # elements of non-expert parameters with < 2 dims (norms, biases: ZeRO-3's resident group)
+    # the unit's token-proportional (dropless) MoE dispatch, per captured microbatch; None: no
+    # routed MoE (a static-capacity MoE is priced by ``dispatch_bytes``)
+    routed: "RoutedInfo | None" = None
     # times the unit's F, I and W programs on real tensors in this process: (f, i, w) seconds at
     # the captured microbatch; None for models captured on fake tensors (meta presets)
     measure: Callable[[], tuple[float, float, float]] | None = field(default=None, compare=False, repr=False)
@@ -191,6 +194,38 @@ class UnitKind:
             hit = self.measure()
             object.__setattr__(self, "_measured", hit)
         return hit
+
+
+@dataclass(frozen=True)
+class RoutedInfo:
+    """A dropless MoE block's routed rows (the fields of
+    ``autopar.passes.moe_dispatch.routed_info``), per captured microbatch, summed over the
+    unit's MoE blocks: ``rows`` the mean rows one rank dispatches (N tokens x top_k),
+    ``row_bytes`` one dispatched row, ``saved_row_bytes`` what one received row keeps from F
+    until W (the row and the experts' saved activations), ``flops_per_row`` the experts'
+    forward FLOPs per row, ``dtype`` the compute dtype."""
+
+    rows: float
+    row_bytes: float
+    saved_row_bytes: float
+    flops_per_row: float
+    dtype: str = "bfloat16"
+
+
+def _routed(moe: dict | None, tokens: int) -> RoutedInfo | None:
+    """The routed-row quantities of one MoE block on ``tokens`` tokens, from the model's MoE
+    config ``moe`` (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``, ``dtype``; None:
+    not a dropless MoE). SwiGLU experts: a row is d elements; W keeps the received row and the
+    gate, up and activation product (3h) of every received row; forward 3 GEMMs, 6dh FLOPs.
+    Once ``autopar.passes.moe_dispatch.routed_info(node)`` reads them off the captured
+    graph, this is the one place to call it instead."""
+    if not moe:
+        return None
+    d, h, k = int(moe["d_model"]), int(moe["expert_hidden"]), int(moe["top_k"])
+    dt = moe.get("dtype", torch.bfloat16)
+    item = torch.empty((), dtype=dt).element_size()
+    return RoutedInfo(rows=float(tokens * k), row_bytes=float(d * item), saved_row_bytes=float((d + 3 * h) * item),
+                      flops_per_row=float(6 * d * h), dtype=str(dt).replace("torch.", ""))
 
 
 @dataclass(frozen=True)
@@ -604,11 +639,13 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                   layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
                   n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
                   progress: Callable[[str], None] | None = None, param_dtype=None,
-                  input_names=None) -> ModelProfile:
+                  input_names=None, moe: dict | None = None) -> ModelProfile:
     """Capture ``model`` on one microbatch and cost every unit (see the module docstring).
 
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
     stands for (presets are built with one block per kind); blocks not named stand for one.
+    ``moe``: the config of the model's dropless MoE blocks (``_routed``); every unit holding
+    expert parameters is then priced with the token-proportional dispatch.
     """
     from autopar.passes import keys
     from autopar.passes.capture import capture
@@ -663,6 +700,8 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         if isinstance(sp, StageProgram):
             kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
                                     measure=timer.add(sp, st) if real else None)
+            if moe and kinds[sig].expert_params:
+                kinds[sig] = replace(kinds[sig], routed=_routed(moe, batch0 * (seq_len or 1)))
         unit_kinds.append(kinds[sig])
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")

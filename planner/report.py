@@ -36,7 +36,7 @@ def memory_formula(res: PlanResult, est: Estimate, rank: int) -> sympy.Expr:
     row = est.memory[rank]
     lay = est.layout
     tokens = lay.b * (res.evaluator.profile.seq_len or 1)
-    phase = ("activations", "working")
+    phase = ("activations", "moe receive", "working")
     reduction = ("dp buckets", "zero-1 buffers")
     static = sum(v for k, v in row.items() if k not in phase + reduction + ("p2p buffers", "grad outputs"))
     p2p = sympy.Float(row["p2p buffers"] / tokens, 6) * b * s
@@ -173,6 +173,43 @@ def _distinct_rejections(res: PlanResult, top: int) -> list[Candidate]:
     return out[:top]
 
 
+def pin_report(res: PlanResult, c: Candidate) -> list[str]:
+    """For a pinned layout that does not fit: its heaviest rank's memory by component, how far
+    over the limit, and what the planner's memory features do to it (evaluated: no stage vs every
+    stage recomputing at the same boundaries; activation offload is not built yet)."""
+    from .estimate import Partition
+    from .search import _unit_totals, balanced_partition
+
+    ev, lay = res.evaluator, c.layout
+    S = lay.num_stages
+    bounds = c.estimate.partition.bounds if c.estimate is not None else \
+        balanced_partition(_unit_totals(ev, lay), S)
+    out = ["", f"pinned layout {lay.label()}: per-rank memory, GiB (limit {ev.memory_limit / GiB:.2f})"]
+    ests = {rc: ev.evaluate(lay, Partition(bounds, (rc,) * S)) for rc in (False, True)}
+    est = ests[True]
+    keys = list(est.memory[0].keys())
+    rows = [[r] + [_gib(est.memory[r][k]) for k in keys] + [_gib(est.peak_memory[r])] for r in range(len(est.memory))]
+    out += _table(["rank"] + keys + ["total"], _collapse(rows, ranged=(0,)))
+    r, over = est.oom()
+    out.append(f"  with every stage recomputing: rank {r} needs {est.peak_memory[r] / GiB:.2f} GiB, "
+               f"{over / GiB:.2f} GiB over the limit")
+    plain = ests[False]
+    out.append(f"  recomputation: {max(plain.peak_memory) / GiB:.2f} GiB without it -> "
+               f"{max(est.peak_memory) / GiB:.2f} GiB with every stage recomputing "
+               f"({(max(plain.peak_memory) - max(est.peak_memory)) / GiB:.2f} GiB saved; "
+               + ("closes it)" if est.feasible else f"{over / GiB:.2f} GiB still over)"))
+    for z in (1, 2, 3):
+        if z > lay.zero and lay.dp * lay.cp > 1:
+            import dataclasses
+
+            other = ev.evaluate(dataclasses.replace(lay, zero=z), Partition(bounds, (True,) * S))
+            out.append(f"  ZeRO-{z} (pin zero={z}): {max(other.peak_memory) / GiB:.2f} GiB "
+                       + ("(fits)" if other.feasible else f"({-(ev.memory_limit - max(other.peak_memory)) / GiB:.2f} "
+                                                          "GiB over)"))
+    out.append("  activation offload: not built yet (it would move saved activations to host memory)")
+    return out
+
+
 def _why_lost(c: Candidate) -> str:
     return c.reason or c.status
 
@@ -203,6 +240,8 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
             L.append(f"  the smallest per-device memory any simulated plan needs is {need / GiB:.2f} GiB "
                      f"(limit {req.memory_limit / GiB:.2f} GiB)")
             L.append(f"  closest plan: {close.layout.label()} ({close.reason})")
+            if res.request.pin:
+                L += pin_report(res, close)
         L.append("  fix: more devices (--gpus), a device with more memory (--device/--memory), "
                  "or a smaller --global-batch / --seq")
         return "\n".join(L)

@@ -20,11 +20,23 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 from autopar.schedules import registry
 
-from .estimate import Estimate, Evaluator, GiB, Layout, Partition, divisors, runtime_overhead
+from .estimate import (
+    DEFAULT_MOE_IMBALANCE,
+    Estimate,
+    Evaluator,
+    GiB,
+    Layout,
+    Partition,
+    divisors,
+    inflight_frontier,
+    max_inflight,
+    runtime_overhead,
+)
 from .ilp import ILPResult, solve_partition
 from .profile import ModelProfile
 
@@ -45,6 +57,7 @@ class Request:
     memory_checks: int = 2000           # layouts found OOM by their memory alone, before stopping
     simulate_actions: int = 400_000     # budget of simulated actions in the default (not exhaustive) mode
     zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
+    greedy_max: int = 1024              # zb-h2 / v-half only where pp * microbatches <= this (greedy orders per m)
     top_ilp: int = 4
     ilp_time_limit: float = 2.0
     # cp -> None when context parallelism can rewrite the model at that degree, else why not
@@ -54,8 +67,12 @@ class Request:
     # Layout fields fixed by the user (``--pin pp=16,ep=64``): only layouts matching every one
     # are searched; keys are Layout fields (``microbatches``/``num_microbatches`` mean ``m``)
     pin: tuple = ()
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # max/mean rows an EP rank receives (dropless MoE)
 
     def __post_init__(self):
+        if not self.moe_imbalance >= 1.0:
+            raise ValueError(f"--moe-imbalance {self.moe_imbalance}: the max/mean ratio of the rows an "
+                             f"expert-parallel rank receives must be >= 1 (1.0 = perfectly balanced routing)")
         object.__setattr__(self, "pin", tuple(sorted(_normalize_pin(dict(self.pin)).items())))
         pin = dict(self.pin)
         deg = [pin[k] for k in ("pp", "dp", "cp") if k in pin]
@@ -114,7 +131,8 @@ class Candidate:
     status: str                         # chosen | feasible | oom | rejected | screened
     reason: str = ""
     screen_time: float = math.inf       # closed-form estimate, seconds
-    screen_need: float = 0.0            # bytes per rank it needs at least (perfect balance, recompute)
+    screen_need: float = 0.0            # bytes per rank it needs at least (a lower bound, _screen)
+    screen_tier: int = 0                # 0 expected to fit, 1 expected to fit recomputing, 2 expected not to fit
     estimate: Estimate | None = None
     ilp: ILPResult | None = None
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
@@ -243,18 +261,25 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                                 reject(lay, f"zb-auto is searched only where pp*m <= {req.zb_auto_max} (its greedy "
                                             f"search grows faster than pp*m); zb-h2 and zbv cover larger pipelines")
                                 continue
+                            if name in ("zb-h2", "v-half") and pp * m > req.greedy_max and "schedule" not in pin:
+                                reject(lay, f"{name} is searched only where pp*m <= {req.greedy_max} (its order is a "
+                                            f"greedy search per (pp, m), superlinear in pp*m); zbv, v-min and zb-h1 "
+                                            f"cover larger pipelines (pin schedule={name} to price it anyway)")
+                                continue
                             yield lay
 
 
 def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], None] | None = None) -> PlanResult:
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    ev = Evaluator(profile, device, req.memory_limit, req.global_batch)
+    ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance)
     cands: list[Candidate] = []
     rejected: list[Candidate] = []
     rejected_seen = set()
+    n_constraint = [0]
 
     def reject(lay: Layout, why: str) -> None:
+        n_constraint[0] += 1
         key = (lay.schedule, why)
         if key not in rejected_seen:  # one example per distinct reason is enough for the report
             rejected_seen.add(key)
@@ -266,9 +291,16 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         c = _screen(ev, lay, screen_cache)
         cands.append(c)
     screened = [c for c in cands if c.status != "rejected"]
-    say(f"screened {len(cands)} layouts: {len(screened)} may fit, {len(cands) - len(screened)} cannot "
-        f"fit even with perfectly balanced stages")
-    screened.sort(key=lambda c: (c.screen_time, c.layout.pp, c.layout.cp, c.layout.zero, c.layout.schedule, c.layout.m))
+    tiers = [sum(1 for c in screened if c.screen_tier == t) for t in range(3)]
+    say(f"screened {len(cands) + n_constraint[0]} layouts: {n_constraint[0]} break a schedule constraint, "
+        f"{len(cands) - len(screened)} cannot fit (memory lower bound: states + P2P buffers + activations in "
+        f"flight + reduction buffers + runtime > {req.memory_limit / GiB:.1f} GiB), {len(screened)} may fit "
+        f"({tiers[0]} expected to fit, {tiers[1]} only recomputing, {tiers[2]} expected over the limit: "
+        f"searched last)")
+    # likely-fitting, fast ones first: expected over the limit last, then by the step time
+    # including the recomputation a layout is expected to need
+    screened.sort(key=lambda c: (c.screen_tier == 2, c.screen_time, c.layout.pp, c.layout.cp, c.layout.zero,
+                                 c.layout.schedule, c.layout.m))
 
     # round 2: simulate
     # default mode: in screen order, until top_simulate layouts or the action budget is spent, or
@@ -336,38 +368,116 @@ def _unit_totals(ev: Evaluator, lay: Layout) -> list[float]:
     return [sum(ev.unit_times(u.kind, lay)) for u in ev.units]
 
 
+def _inflight(lay: Layout) -> tuple[float, float]:
+    return _inflight_of(lay.schedule, lay.pp, lay.m, lay.v)
+
+
+@lru_cache(maxsize=65536)
+def _inflight_of(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
+    """(mean over ranks of the most stage-microbatches a rank holds at once, stage 0's left
+    out; the same for the heaviest rank). Exact from the schedule's in-flight frontier where
+    it is steady (no build beyond warm-up); for the greedy v-half / zb-h2 orders, which are
+    built per m, the bound every schedule meets: the first microbatch's F on each of a rank's
+    stages before any of their backwards."""
+    from autopar.schedules.registry import layout as stage_layout
+
+    if pp == 1:
+        return 0.0, 0.0  # one stage 0 holding everything: it may recompute down to the token ids
+    if schedule in ("zb-auto", "v-half", "zb-h2"):
+        s2r = stage_layout(schedule, pp, v)
+        per = [sum(1 for s in range(1, len(s2r)) if s2r[s] == r) for r in range(pp)]
+    else:
+        per = max_inflight(inflight_frontier(schedule, pp, m, v))
+    return sum(per) / len(per), float(max(per))
+
+
+def _crossings(lay: Layout) -> float:
+    return _crossings_of(lay.schedule, lay.pp, lay.v)
+
+
+@lru_cache(maxsize=4096)
+def _crossings_of(schedule: str, pp: int, v: int) -> float:
+    """Mean over ranks of the stage boundaries a rank sends or receives across."""
+    from autopar.schedules.registry import layout as stage_layout
+
+    if pp == 1:
+        return 0.0
+    s2r = stage_layout(schedule, pp, v)
+    n = sum(2 for s in range(len(s2r) - 1) if s2r[s] != s2r[s + 1])
+    return n / pp
+
+
 def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
+    """Closed-form time and a memory LOWER BOUND per rank (``screen_need``; never above what
+    :meth:`Evaluator.memory` gives the heaviest rank of any partition of the layout): the mean
+    over ranks of parameters, gradients and optimizer states (ZeRO-sharded, experts over their
+    expert-data-parallel group), the activations in flight (the schedule's in-flight count,
+    each at least the smallest amount a stage can keep: recomputing, its input), the P2P
+    buffers (m sent tensors per boundary a rank crosses, each at least the smallest boundary
+    tensor, plus two receive buffers), the smallest working set or the gradient-reduction
+    buffers (ZeRO-0 buckets, ZeRO-1 flat buffers), whichever is larger, and the runtime. Also
+    the expected memory at balanced stages (mean amounts), with and without recomputation:
+    ``screen_time`` includes the recomputation a layout is expected to need."""
     key = (lay.b, lay.cp, lay.ep, lay.dp, lay.zero)
     sums = cache.get(key)
     if sums is None:
         tf = ti = tw = static = 0.0
+        n_all = n_exp = saved = inb = 0.0
         for kind, n in ev.profile.runs():
             f, i, w = ev.unit_times(kind, lay)
             tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
             static += n * ev.unit_static(kind, lay)
+            n_all += n * ev.unit_params(kind, lay)
+            n_exp += n * kind.expert_params / lay.ep
+            a, b = ev.unit_saved(kind, lay)
+            saved += n * max(a, b)
+            inb += n * kind.in_bytes * ev.scale(lay)
         # a parameter several units share (a tied embedding/head) is one tensor on a rank that
         # holds them all: the lower bound counts it once
         shared = sum((len(units) - 1) * numel for units, numel in getattr(ev.profile, "shared_params", ()))
         static -= shared * ev.unit_static_per_param(lay)
-        # the least a stage can keep per microbatch (recomputing: its input), the least working set
-        kinds = [k for k, _ in ev.profile.runs()]
-        min_in = min(k.in_bytes for k in kinds[1:] or kinds) * ev.scale(lay)
-        min_work = min(k.work_bytes for k in kinds) * ev.scale(lay)
-        sums = cache[key] = (tf, ti, tw, static, min_in, min_work)
-    tf, ti, tw, static, min_in, min_work = sums
+        n_all -= shared
+        sc = ev.scale(lay)
+        kinds = [u.kind for u in ev.units[1:]] or [ev.units[0].kind]
+        # the least one microbatch of a stage past stage 0 keeps (recomputing: its first unit's input)
+        a_min = min(min(k.in_bytes * sc, *ev.unit_saved(k, lay)) for k in kinds)
+        min_work = min(k.work_bytes for k in ev.profile.kinds) * sc
+        mean_work = sum(u.kind.work_bytes for u in ev.units) / len(ev.units) * sc
+        units = ev.units
+        bd = min(min(units[j].kind.out_bytes, units[j + 1].kind.in_bytes) for j in range(len(units) - 1)) * sc \
+            if len(units) > 1 else 0.0
+        bd_mean = sum(units[j].kind.out_bytes for j in range(len(units) - 1)) / max(1, len(units) - 1) * sc
+        sums = cache[key] = (tf, ti, tw, static, a_min, min_work, mean_work, bd, bd_mean, n_all, n_exp,
+                             saved / len(units), inb / len(units))
+    tf, ti, tw, static, a_min, min_work, mean_work, bd, bd_mean, n_all, n_exp, saved_u, in_u = sums
     p = lay.pp
     f, i, w = tf / p, ti / p, tw / p
     t = lay.m * (f + i + w) + registry.screen_bubble(lay.schedule, p, lay.v, f, i, w)
+    # no schedule beats one microbatch's critical path: every stage's F, then every stage's I
+    t = max(t, tf + ti + w / lay.v)
     c = Candidate(lay, "screened", screen_time=t)
-    # cannot fit even perfectly balanced, with every stage recomputing (keeps only its input):
-    # the schedule's in-flight bound (in M_B = v stages' inputs) times the smallest input
-    inflight = 1.0 if lay.schedule == "zb-auto" else registry.get(lay.schedule).peak_bound(p, lay.m, lay.v)
-    need = static / p + inflight * lay.v * min_in + min_work + runtime_overhead(ev.device)
+    inflight, _ = _inflight(lay)
+    cross = _crossings(lay)
+    red = ev.reduction_bytes(lay, n_all / p, n_exp / p)[1]
+    base = static / p + runtime_overhead(ev.device)
+    p2p_min = cross * (lay.m * bd) + (2 * bd if cross else 0.0)
+    need = base + p2p_min + max(inflight * a_min + min_work, red)
     c.screen_need = need
     if need > ev.memory_limit:
         c.status = "rejected"
         c.reason = (f"OOM even perfectly balanced with every stage recomputing: needs at least "
-                    f"{need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB")
+                    f"{need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB (lower bound: states "
+                    f"{static / p / GiB:.1f}, P2P {p2p_min / GiB:.1f}, activations {inflight * a_min / GiB:.1f}, "
+                    f"reduction buffers {red / GiB:.1f})")
+        return c
+    # expected at balanced stages: mean per-stage amounts and boundary tensors
+    per_stage = len(ev.units) / lay.num_stages
+    p2p = cross * (lay.m * bd_mean) + (2 * bd_mean if cross else 0.0)
+    plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)
+    rc = base + p2p + max(inflight * in_u + mean_work, red)
+    c.screen_tier = 0 if plain <= ev.memory_limit else (1 if rc <= ev.memory_limit else 2)
+    if c.screen_tier:  # expected to recompute: I replays F
+        c.screen_time = t + lay.m * f
     return c
 
 

@@ -605,3 +605,140 @@ def test_parse_pin_and_bad_pins():
     with pytest.raises(ValueError, match="unknown schedule"):
         parse_pin("schedule=nope")
     assert cli_main(["llama3-8b", "--gpus", "8", "--global-batch", "8", "--pin", "tp=2", "--quiet"]) == 2
+
+
+# ------------------------------------------------------------ activation peaks without schedules
+@pytest.mark.parametrize("name", [n for n in registry.names() if n != "zb-auto"])
+def test_frontier_peaks_equal_walking_the_built_schedule(name):
+    """inflight_frontier (steady m capped, no build past warm-up) gives exactly the peaks
+    schedules.simulate.peak_memory walks on registry.build's schedule, for random amounts."""
+    import random
+
+    from autopar.planner.estimate import frontier_peaks, inflight_frontier
+    from autopar.schedules.simulate import peak_memory
+
+    rng = random.Random(0)
+    v0 = registry.default_stages_per_rank(name)
+    for pp in (2, 3, 4):
+        for v in ((v0, 3) if name in ("interleaved-1f1b", "zb-h1") and v0 != 1 else (v0,)) + \
+                ((2,) if name == "zb-h1" else ()):
+            for m in range(1, 4 * pp + 3):
+                try:
+                    registry.check(name, pp, m, v)
+                except ValueError:
+                    continue
+                sched = build(name, pp, m, v)
+                S = pp * v
+                for _ in range(3):
+                    af = [rng.uniform(0, 10) for _ in range(S)]
+                    ai = [rng.uniform(0, 12) for _ in range(S)]
+                    want = peak_memory(sched, af, after_i_bytes=ai)
+                    got = frontier_peaks(inflight_frontier(name, pp, m, v), af, ai)
+                    assert got == pytest.approx(want, rel=1e-12), (name, pp, m, v)
+
+
+# ------------------------------------------------------------------- the memory screen is a bound
+def _screen_bound_holds(prof, req):
+    res = plan(prof, get_profile("h100"), req)
+    priced = [c for c in res.candidates if c.peak is not None]
+    assert priced
+    for c in priced:
+        assert c.screen_need <= c.peak * (1 + 1e-9), (c.layout.label(), c.screen_need, c.peak)
+    return res
+
+
+def test_screen_never_above_evaluated_memory(gpt_profile, mixtral_profile):
+    # every layout the exhaustive search evaluates: the screen's lower bound <= its priced peak
+    _screen_bound_holds(gpt_profile, Request(gpus=4, global_batch=8, memory_limit=80e9, exhaustive=True))
+    res = _screen_bound_holds(mixtral_profile, Request(gpus=16, global_batch=16, memory_limit=200e9, exhaustive=True,
+                                                       schedules=("1f1b", "zbv", "interleaved-1f1b", "v-half")))
+    assert any(c.layout.ep > 1 and c.layout.zero >= 1 for c in res.candidates if c.estimate is not None)
+    # and it screens out: a limit below every layout's bound rejects them all, with the reason
+    tight = plan(mixtral_profile, get_profile("h100"), Request(gpus=16, global_batch=16, memory_limit=30e9))
+    assert any("lower bound" in c.reason for c in tight.candidates if c.status == "rejected")
+
+
+# -------------------------------------------------------------------------- experts under ZeRO
+def test_experts_sharded_over_the_expert_data_parallel_group(mixtral_profile):
+    """Experts' optimizer state (ZeRO >= 1), gradients (>= 2) and weights (3) are sharded over the
+    dp*cp/ep ranks holding the same experts, dense parameters over dp*cp (hand formulas)."""
+    ev = Evaluator(mixtral_profile, get_profile("h100"), 80e9, 64)
+    moe = next(k for k in mixtral_profile.kinds if k.expert_params)
+    p = ev.precision
+    n, small = moe.params - moe.expert_params, moe.small_params
+
+    def part(z, g, elems, small=0):
+        if z == 0 or g == 1:
+            return (p.weight + p.grad + p.optim) * elems
+        if z == 1:
+            return (p.weight + p.grad) * elems + p.optim * elems / g
+        if z == 2:
+            return p.weight * elems + 4 * (1 + 1 / g) * elems + (p.adam + 4) * elems / g
+        return 4 * elems / g + p.weight * small + 4 * (1 + 1 / g) * elems + p.adam * elems / g
+
+    for dp, ep, zero in [(8, 8, 1), (8, 2, 1), (8, 2, 0), (8, 1, 2), (8, 4, 3), (8, 2, 2)]:
+        lay = Layout(2, dp, 1, ep, "1f1b", 1, 4, 2, zero)
+        want = part(zero, dp, n, small) + part(zero, dp // ep, moe.expert_params / ep)
+        assert ev.unit_static(moe, lay) == pytest.approx(want, rel=1e-12), (dp, ep, zero)
+    # ep == dp*cp: a group of one, the experts stay whole; smaller ep shards them
+    whole = ev.unit_static(moe, Layout(2, 8, 1, 8, "1f1b", 1, 4, 2, 1))
+    assert ev.unit_static(moe, Layout(2, 8, 1, 8, "1f1b", 1, 4, 2, 0)) - whole == pytest.approx(
+        p.optim * n * (1 - 1 / 8), rel=1e-12)
+
+
+# ------------------------------------------------------------- token-proportional MoE dispatch
+def test_routed_dispatch_prices_rows_and_imbalance():
+    from autopar.planner.comm import all_to_all_time
+    from autopar.planner.profile import _routed
+
+    pm = presets.build_preset("deepseek-v3", seq_len=128)
+    prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         expert_prefixes=pm.expert_param_prefixes, n_heads=pm.n_heads, n_experts=pm.n_experts,
+                         seq_len=128, moe=pm.moe)
+    moe = next(k for k in prof.kinds if k.expert_params)
+    r = moe.routed
+    assert r == _routed(pm.moe, 128) and r.rows == 128 * 8 and r.row_bytes == 7168 * 2
+    assert r.saved_row_bytes == (7168 + 3 * 2048) * 2 and r.flops_per_row == 6 * 7168 * 2048
+    dev = get_profile("h100")
+    lay = Layout(4, 16, 1, 8, "1f1b", 1, 8, 1, 1)
+    flat, skew = Evaluator(prof, dev, 80e9, 128, moe_imbalance=1.0), Evaluator(prof, dev, 80e9, 128, moe_imbalance=2.0)
+    f1, i1, w1 = flat.unit_times(moe, lay)
+    f2, i2, w2 = skew.unit_times(moe, lay)
+    link = flat.links(lay)["ep"]
+    a2a = [2 * all_to_all_time(r.rows * x * r.row_bytes, 8, link) for x in (1.0, 2.0)]
+    extra = r.rows * r.flops_per_row / dev.flops_rate("bfloat16")
+    assert f2 - f1 == pytest.approx(a2a[1] - a2a[0] + extra, rel=1e-9)
+    assert i2 - i1 == pytest.approx(a2a[1] - a2a[0] + extra, rel=1e-9)
+    assert w2 - w1 == pytest.approx(extra, rel=1e-9)
+    # memory: the worst rank keeps imbalance x the mean routed rows from F to W
+    part = Partition(balanced_partition([sum(flat.unit_times(u.kind, lay)) for u in prof.units], 4), (False,) * 4)
+    m1, m2 = flat.evaluate(lay, part), skew.evaluate(lay, part)
+    assert max(row["moe receive"] for row in m2.memory) == pytest.approx(
+        2 * max(row["moe receive"] for row in m1.memory), rel=1e-9)
+    assert max(row["moe receive"] for row in m1.memory) > 0
+    with pytest.raises(ValueError, match="must be >= 1"):
+        Request(gpus=8, global_batch=8, memory_limit=80e9, moe_imbalance=0.5)
+
+
+# ------------------------------------------------- a pinned layout never beats the unpinned choice
+def test_unpinned_choice_no_slower_than_a_fitting_pin(mixtral_profile):
+    dev = get_profile("h100")
+    kw = dict(gpus=16, global_batch=32, memory_limit=80e9)
+    free = plan(mixtral_profile, dev, Request(**kw))
+    for pin in ({"pp": 2, "ep": 8, "zero": 1}, {"pp": 4, "ep": 4}, {"pp": 2, "ep": 2, "zero": 1}):
+        pinned = plan(mixtral_profile, dev, Request(**kw, pin=pin))
+        if pinned.chosen is not None:
+            assert free.chosen.time <= pinned.chosen.time * (1 + 1e-12), (pin, free.chosen.layout.label())
+
+
+def test_pin_report_when_the_pinned_layout_does_not_fit(gpt_profile):
+    from autopar.planner.report import text
+
+    res = plan(gpt_profile, get_profile("h100"), Request(gpus=4, global_batch=8, memory_limit=2 * GiB + 2 ** 10,
+                                                         pin={"pp": 2, "zero": 0}))
+    assert res.chosen is None
+    out = text(res, {})
+    close = res.closest()
+    assert "pinned layout" in out and "recomputation:" in out and "ZeRO-1 (pin zero=1)" in out
+    assert "activation offload: not built yet" in out
+    assert f"{(close.peak - res.request.memory_limit) / GiB:.2f} GiB" in out

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 
 PUBLISHED = {
     "gpt3-175b": 175e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.8e9,
-    "mixtral-8x7b": 46.7e9, "deepseek-v3": 671e9,
+    "mixtral-8x7b": 46.7e9, "deepseek-v3": 671e9, "glm-5": 744e9,
 }
 
 
@@ -42,6 +42,18 @@ def test_full_depth_parameter_count_matches_published(name):
     count = presets.parameter_count(name)
     assert abs(count / PUBLISHED[name] - 1) < 0.03, f"{name}: {count / 1e9:.2f}B vs {PUBLISHED[name] / 1e9}B"
     assert presets.published_parameter_count(name) == PUBLISHED[name]
+
+
+def test_glm5_total_and_active_within_one_percent():
+    # GLM-5 report (arXiv:2602.15763): 744B total, 40B activated; DeepSeek-V3: 671B / 37B
+    assert abs(presets.parameter_count("glm-5") / 744e9 - 1) < 0.01
+    assert abs(presets.active_parameter_count("glm-5") / 40e9 - 1) < 0.01
+    assert abs(presets.active_parameter_count("deepseek-v3") / 37e9 - 1) < 0.015
+    assert presets.published_active_parameter_count("glm-5") == 40e9
+    pm = presets.build_preset("glm-5", seq_len=64)
+    assert pm.layer_repeats == {"layers.0": 3, "layers.1": 75} and pm.n_experts == 256 and pm.top_k == 8
+    assert pm.moe == {"n_experts": 256, "top_k": 8, "expert_hidden": 2048, "d_model": 6144, "dtype": torch.bfloat16}
+    assert presets.build_preset("glm-5", seq_len=64, capacity_factor=1.25).moe is None  # static capacity
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
