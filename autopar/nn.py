@@ -119,6 +119,7 @@ class GroupedExperts(nn.Module):
         w1, w3, w2 = params["w1"], params["w3"], params["w2"]
         order = torch.argsort(ids, stable=True)
         groups = rows.index_select(0, order).split(counts)
+        w1, w3, w2 = w1.unbind(0), w3.unbind(0), w2.unbind(0)  # one backward node per weight, not one per expert
         out = torch.cat([(F.silu(g @ w1[e]) * (g @ w3[e])) @ w2[e] for e, g in enumerate(groups)])
         out = torch.empty_like(out).index_copy_(0, order, out)
         return out * weights.to(out.dtype).unsqueeze(1)

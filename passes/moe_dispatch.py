@@ -308,8 +308,12 @@ def _forward(x, ids, weights, params, key, group, ep, n_local):
         w = w.detach().requires_grad_(True)
         leaves = [p.detach().requires_grad_(True) for p in params]
         local_counts = per_dest[:, me].sum(dim=0).tolist()
-        out = spec.run(dict(zip(spec.names, leaves)), rows, local_ids, w, local_counts) if rows.shape[0] \
-            else rows.new_zeros(0, d)
+        consumers = _ParameterConsumers(leaves)
+        if rows.shape[0]:
+            with consumers:
+                out = spec.run(dict(zip(spec.names, leaves)), rows, local_ids, w, local_counts)
+        else:
+            out = rows.new_zeros(0, d)
         if out.shape != rows.shape:
             raise ValueError(f"autopar: the experts of MoE layer {spec.layer} returned {tuple(out.shape)} for "
                              f"{tuple(rows.shape)} received rows, expected {tuple(rows.shape)}")
@@ -317,7 +321,8 @@ def _forward(x, ids, weights, params, key, group, ep, n_local):
     per_assignment = torch.empty_like(back).index_copy_(0, order, back)
     y = per_assignment.view(n, k, d).sum(dim=1).to(x.dtype)
     handle = next(_HANDLES)
-    _STATE[handle] = _State(spec.layer, rows, w, leaves, out, order, send, recv)
+    _STATE[handle] = _State(spec.layer, rows, w, leaves, out, order, send, recv,
+                            extra={"consumers": consumers.hooked() if rows.shape[0] else None})
     return y, torch.tensor(handle, dtype=torch.int64)
 
 
@@ -346,12 +351,87 @@ def _grad_input(grad_y, handle, ids, weights, key, group, ep, last):
 
 def _grad_weight(handle, params):
     st = _STATE.pop(int(handle))
+    consumers = st.extra.get("consumers")
     with _autograd_inside():
-        if st.out.numel() and st.params:
-            grads = torch.autograd.grad(st.out, st.params, st.grad_rows, allow_unused=True)
-        else:
+        if not (st.out.numel() and st.params):
             grads = [None] * len(st.params)
+        elif consumers is not None and consumers.complete():
+            grads = consumers.weight_grads(st.params)
+        else:  # walk the private graph again from its output
+            grads = torch.autograd.grad(st.out, st.params, st.grad_rows, allow_unused=True)
     return [torch.zeros_like(p) if g is None else g.to(p.dtype) for g, p in zip(grads, params)]
+
+
+class _ParameterConsumers(torch.overrides.TorchFunctionMode):
+    """While the local experts run: which ops *consume* a parameter (take a value derived from
+    parameters only -- the parameter, a view, ``W[e]``, ``W[idx]`` -- together with a value
+    derived from the rows), and which parameters each reaches. I captures the gradient of every
+    consumer's output on its way to the rows (tensor hooks); W then computes each parameter's
+    gradient from its consumers' outputs only (one short backward per consumer: its own op and
+    the parameter views), never walking the activations' path again. A parameter reached both
+    directly and through another consumer's output (a double count) falls back to the full walk."""
+
+    def __init__(self, leaves):
+        super().__init__()
+        from torch.utils.weak import WeakIdKeyDictionary
+
+        self.index = {id(p): i for i, p in enumerate(leaves)}
+        self.params_of: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param-only tensor -> parameter indices
+        self.reaches: WeakIdKeyDictionary = WeakIdKeyDictionary()  # any tensor -> parameter indices upstream
+        self.found: list = []  # (consumer output, parameter indices)
+        self.grads: dict[int, torch.Tensor] = {}
+        self.ambiguous = False
+        for p in leaves:
+            self.params_of[p] = frozenset({self.index[id(p)]})
+            self.reaches[p] = self.params_of[p]
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+        derived = [t for t in tensors if t in self.params_of]
+        others = [t for t in tensors if t not in self.params_of and (t.requires_grad or t in self.reaches)]
+        outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+        mine = frozenset().union(*(self.params_of[t] for t in derived)) if derived else frozenset()
+        upstream = frozenset().union(*(self.reaches.get(t, frozenset()) for t in others)) if others else frozenset()
+        for o in outs:
+            if derived and not others:
+                self.params_of[o] = mine
+            if mine or upstream:
+                self.reaches[o] = mine | upstream
+        if derived and others:
+            if mine & upstream:
+                self.ambiguous = True
+            self.found += [(o, mine) for o in outs]
+        return out
+
+    def hooked(self) -> "_ParameterConsumers":
+        """Register the hooks that keep each consumer output's gradient (computed by I)."""
+        for k, (o, _mine) in enumerate(self.found):
+            o.register_hook(lambda g, k=k: self.grads.__setitem__(k, g))
+        self.params_of = self.reaches = None  # the weak maps are no longer needed
+        return self
+
+    def complete(self) -> bool:
+        return not self.ambiguous and bool(self.found) and len(self.grads) == len(self.found)
+
+    def weight_grads(self, leaves: list) -> list:
+        """One backward per set of parameters, from all the consumers that reach exactly it (no
+        consumer of a set lies upstream of another one reaching the same parameter: that case is
+        ``ambiguous``)."""
+        total: list = [None] * len(leaves)
+        by_set: dict[frozenset, list[int]] = {}
+        for k, (_o, mine) in enumerate(self.found):
+            by_set.setdefault(mine, []).append(k)
+        for mine, ks in by_set.items():
+            idx = sorted(mine)
+            parts = torch.autograd.grad([self.found[k][0] for k in ks], [leaves[i] for i in idx],
+                                        [self.grads[k] for k in ks], retain_graph=True, allow_unused=True)
+            for i, g in zip(idx, parts):
+                if g is not None:
+                    total[i] = g if total[i] is None else total[i] + g
+        return total
 
 
 # -- the ops --------------------------------------------------------------------------------------------------------

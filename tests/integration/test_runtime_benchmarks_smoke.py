@@ -214,3 +214,24 @@ def test_zero_vs_fsdp2_runs():
     # the same all-gathers every step (first, warm-up, timed, probed), at least one per layer group
     n_steps = 2 + rounds * steps + 1
     assert int(gathers) % n_steps == 0 and int(gathers) // n_steps >= mk["n_layer"], (gathers, n_steps)
+
+
+def test_ep_dispatch_runs():
+    """E4 at a tiny size: the three dispatches agree exactly, and the printed byte ratio is the
+    one the printed per-rank bytes give; the worst case moves 2 * ep * P rows of d floats (+ weights and ids)
+    per direction, a hand count."""
+    tokens, d, experts, k = 32, 8, 4, 2
+    out = _run("ep_dispatch.py", ["--tokens", str(tokens), "--d-model", str(d), "--hidden", "16", "--experts",
+                                  str(experts), "--top-k", str(k), "--rounds", "2", "--steps", "1"])
+    agree = re.search(r"^outputs agree to (\S+)$", out, re.M)
+    assert agree and float(agree.group(1)) <= 1e-5, out
+    rows = {name: [float(v) for v in kib.split(", ")]
+            for name, kib in re.findall(rf"^(autopar|worst-case|reference)\s+{NUM}\s+(\S+, \S+)$", out, re.M)}
+    assert set(rows) == {"autopar", "worst-case", "reference"}, out
+    pair = tokens * min(k, experts // 2)
+    worst = (2 * 2 * pair * (d + 1) * 4 + 2 * pair * 8 + 2 * 2 * pair * d * 4) / 1024  # rows+weights, ids, combine
+    assert rows["worst-case"] == [pytest.approx(worst, abs=0.06)] * 2, (rows, worst)
+    ratio = re.search(rf"^bytes autopar / worst-case = ({NUM})", out, re.M)
+    # (the printed KiB are rounded to 0.05 KiB: the ratio they give, within that)
+    assert ratio and abs(float(ratio.group(1)) - sum(rows["autopar"]) / sum(rows["worst-case"])) <= 0.01, out
+    assert re.search(rf"^E4: autopar / reference step time = {NUM} \(target <= 1.1\): (PASS|FAIL)$", out, re.M), out
