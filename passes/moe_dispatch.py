@@ -25,18 +25,30 @@ Memory and traffic are the routed rows: per rank and MoE block, ``N * k`` rows o
 (plus the weights and the ``ep * E`` counts), and the experts' activations of the received rows,
 instead of the ``ep * N * min(k, E/ep)`` rows of a worst-case static buffer.
 
+**Three ops each way, so the all-to-alls can fly while other work runs.** The forward is
+``moe_dispatch_send`` (counts exchanged, the rows' and weights' all-to-alls started),
+``moe_dispatch_experts`` (waits for them, runs the local experts, starts the return) and
+``moe_dispatch`` (waits, sums: the block's output, and the op that carries the autograd formula).
+Captured, they follow each other; passes/moe_overlap.py spreads them over the program, around
+the work that does not depend on them (a shared expert). A stage cut never falls inside a chain
+(passes/split_stages.py: its handles are values in flight).
+
 **Backward, split in two** (so the stage's I/W split holds; design.md §3):
 
-* ``moe_dispatch_grad_input`` (in I): each assignment's output gradient (its token's) goes to
-  the expert's rank by the forward's splits, the private graph gives the gradients of the
-  received rows and weights only (no weight-gradient GEMM runs: autograd computes what the
-  requested inputs need), and the reverse all-to-all returns them; the owner sums a token's
-  rows;
-* ``moe_dispatch_grad_weight`` (in W): the expert parameter gradients from the saved received
-  rows and the gradients I received, with no communication. The private graph's path back to
-  the first GEMM's output is walked again here (for SwiGLU experts, one input-gradient GEMM of
-  the second matrix and the activation's backward: about a fifth of the experts' backward
-  FLOPs), the price of running the user's own expert code instead of a hand-derived backward.
+* in I, ``moe_dispatch_grad_send`` -> ``moe_dispatch_grad_input`` -> ``moe_dispatch_grad_combine``:
+  each assignment's output gradient (its token's) goes to the expert's rank by the forward's
+  splits, the private graph gives the gradients of the received rows and weights only (no
+  weight-gradient GEMM runs: autograd computes what the requested inputs need), and the reverse
+  all-to-all returns them; the owner sums a token's rows;
+* ``moe_dispatch_grad_weight`` (in W): the expert parameter gradients, with no communication. It
+  builds each parameter's gradient from the outputs of the ops that consume it
+  (``_ParameterConsumers``: recorded in F, their gradients kept by I's walk), so the
+  activations' path is not walked again; a parameter reached both directly and through another
+  consumer falls back to walking the private graph from its output.
+
+In a fused backward (B: W right behind I, and eager autograd) the input-gradient op walks the
+private graph once for every gradient and the weight-gradient op returns the parameters' share
+(``fused_backward``).
 
 What travels from F to I and W inside the graph is a scalar int64 *handle* (CPU); the dynamic
 state (received rows, the private graph, splits) lives in a per-process table keyed by it,
@@ -62,7 +74,7 @@ log = logging.getLogger("autopar")
 
 __all__ = ["register_experts", "dropless_experts", "routed_info", "RoutedInfo", "receive_stats", "reset_stats",
            "clear", "set_receive_bound", "registered_names", "set_layer_name", "module_runner", "probe_row_costs",
-           "live_handles", "is_dispatch_node", "ReceiveBoundError"]
+           "live_handles", "is_dispatch_node", "ReceiveBoundError", "fused_backward"]
 
 
 class ReceiveBoundError(RuntimeError):
@@ -90,19 +102,45 @@ _HANDLES = itertools.count(1)
 @dataclass
 class _State:
     layer: str
-    rows: torch.Tensor  # received rows (leaf of the private graph)
-    weights: torch.Tensor  # received routing weights (leaf)
-    params: list  # parameter leaves of the private graph
-    out: torch.Tensor  # the local experts' output on the received rows
     order: torch.Tensor  # [S] sorted position -> assignment (token * k + choice)
     send: list[int]  # rows sent to each group rank
     recv: list[int]  # rows received from each group rank
+    local_ids: torch.Tensor  # local expert of every received row
+    local_counts: list[int]  # received rows per local expert
+    pending: list = field(default_factory=list)  # async collectives in flight (work handles)
+    buffers: dict = field(default_factory=dict)  # what they read and write, alive until waited on
+    rows: torch.Tensor | None = None  # received rows (leaf of the private graph)
+    weights: torch.Tensor | None = None  # received routing weights (leaf)
+    params: list = field(default_factory=list)  # parameter leaves of the private graph
+    out: torch.Tensor | None = None  # the local experts' output on the received rows
     grad_rows: torch.Tensor | None = None  # set by I: the output gradients W needs
     extra: dict = field(default_factory=dict)
+
+    def wait(self) -> dict:
+        """Finish the collectives in flight; their buffers."""
+        for w in self.pending:
+            w.wait()
+        self.pending = []
+        out, self.buffers = self.buffers, {}
+        return out
 
 
 _STATE: dict[int, _State] = {}
 _STATS = {"max": 0, "rows": 0, "calls": 0, "layer": ""}
+_FUSED = [False]  # a fused backward (B) runs: the input-gradient op computes the weight gradients too
+
+
+@contextlib.contextmanager
+def fused_backward():
+    """While a fused backward (B: I and W of one microbatch back to back) runs: the
+    input-gradient op walks the experts' private graph once for the rows', routing weights'
+    and parameters' gradients together, and the weight-gradient op returns the latter; under a
+    split backward (W deferred) they are the two walks of the module docstring."""
+    prev, _FUSED[0] = _FUSED[0], True
+    try:
+        yield
+    finally:
+        _FUSED[0] = prev
 
 
 def register_experts(module, run: Callable, params: dict, layer: str, n_experts: int, d: int) -> int:
@@ -239,12 +277,18 @@ def _group(name: str | None):
     return c10d._resolve_process_group(name)
 
 
-def _all_to_all(t: torch.Tensor, recv: list[int], send: list[int], group) -> torch.Tensor:
+def _all_to_all(st: "_State", name: str, t: torch.Tensor, recv: list[int], send: list[int], group) -> None:
+    """Start an uneven all-to-all of ``t``'s rows; its result is ``st.wait()[name]``. Without a
+    group (ep = 1) the rows stay."""
+    if group is None:
+        st.buffers[name] = t
+        return
     import torch.distributed as dist
 
+    src = t.contiguous()
     out = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
-    dist.all_to_all_single(out, t.contiguous(), recv, send, group=group)
-    return out
+    st.pending.append(dist.all_to_all_single(out, src, recv, send, group=group, async_op=True))
+    st.buffers[name], st.buffers["_src_" + name] = out, src
 
 
 def _exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
@@ -280,9 +324,10 @@ def _check_bound(spec: _Experts, table: torch.Tensor, ep: int, n_local: int) -> 
     return per_rank
 
 
-def _forward(x, ids, weights, params, key, group, ep, n_local):
+def _send(x, ids, weights, key, group, ep, n_local):
+    """Dispatch, started: counts exchanged (and the bound checked), the rows and their routing
+    weights on their way (async); a new handle."""
     spec = _REGISTRY[key]
-    n, d = x.shape
     k = ids.shape[1]
     pg = _group(group) if ep > 1 else None
     me = pg.rank() if pg is not None else 0
@@ -292,60 +337,92 @@ def _forward(x, ids, weights, params, key, group, ep, n_local):
     table = _exchange_counts(counts, pg, ep)  # [source rank, expert]
     _check_bound(spec, table, ep, n_local)
     per_dest = table.view(ep, ep, n_local)
-    send = per_dest[me].sum(dim=1).tolist()
-    recv = per_dest[:, me].sum(dim=1).tolist()
-    send_rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
-    send_w = weights.reshape(-1).index_select(0, order)
-    if ep > 1:
-        rows, w = _all_to_all(send_rows, recv, send, pg), _all_to_all(send_w, recv, send, pg)
-    else:
-        rows, w = send_rows, send_w
+    mine = per_dest[:, me]  # [source rank, local expert]: the rows this rank receives
     # local expert of every received row: source-major, then expert-major within a source
-    local_ids = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep),
-                                        per_dest[:, me].reshape(-1))
+    local_ids = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep), mine.reshape(-1))
+    st = _State(spec.layer, order, per_dest[me].sum(dim=1).tolist(), mine.sum(dim=1).tolist(), local_ids,
+                mine.sum(dim=0).tolist())
+    _all_to_all(st, "rows", x.index_select(0, torch.div(order, k, rounding_mode="floor")), st.recv, st.send, pg)
+    _all_to_all(st, "weights", weights.reshape(-1).index_select(0, order), st.recv, st.send, pg)
+    handle = next(_HANDLES)
+    _STATE[handle] = st
+    return torch.tensor(handle, dtype=torch.int64)
+
+
+def _experts(handle, params, key, group, ep):
+    """The received rows through the local experts (private autograd graph); the combine started."""
+    spec, st = _REGISTRY[key], _STATE[int(handle)]
+    got = st.wait()
     with _autograd_inside():
-        rows = rows.detach().requires_grad_(True)
-        w = w.detach().requires_grad_(True)
+        rows = got["rows"].detach().requires_grad_(True)
+        w = got["weights"].detach().requires_grad_(True)
         leaves = [p.detach().requires_grad_(True) for p in params]
-        local_counts = per_dest[:, me].sum(dim=0).tolist()
         consumers = _ParameterConsumers(leaves)
         if rows.shape[0]:
             with consumers:
-                out = spec.run(dict(zip(spec.names, leaves)), rows, local_ids, w, local_counts)
+                out = spec.run(dict(zip(spec.names, leaves)), rows, st.local_ids, w, st.local_counts)
         else:
-            out = rows.new_zeros(0, d)
+            out = rows.new_zeros(rows.shape)
         if out.shape != rows.shape:
             raise ValueError(f"autopar: the experts of MoE layer {spec.layer} returned {tuple(out.shape)} for "
                              f"{tuple(rows.shape)} received rows, expected {tuple(rows.shape)}")
-    back = _all_to_all(out.detach(), send, recv, pg) if ep > 1 else out.detach()
-    per_assignment = torch.empty_like(back).index_copy_(0, order, back)
-    y = per_assignment.view(n, k, d).sum(dim=1).to(x.dtype)
-    handle = next(_HANDLES)
-    _STATE[handle] = _State(spec.layer, rows, w, leaves, out, order, send, recv,
-                            extra={"consumers": consumers.hooked() if rows.shape[0] else None})
-    return y, torch.tensor(handle, dtype=torch.int64)
+    st.rows, st.weights, st.params, st.out = rows, w, leaves, out
+    st.extra["consumers"] = consumers.hooked() if rows.shape[0] else None
+    _all_to_all(st, "back", out.detach(), st.send, st.recv, _group(group) if ep > 1 else None)
+    return torch.tensor(int(handle), dtype=torch.int64)
 
 
-def _grad_input(grad_y, handle, ids, weights, key, group, ep, last):
-    st = _STATE[int(handle)] if not last else _STATE.pop(int(handle))
+def _combine(x, ids, handle):
+    """Every row back at its token's rank: each token's k rows summed in choice order."""
+    st = _STATE[int(handle)]
+    back = st.wait()["back"]
     n, k = ids.shape
-    pg = _group(group) if ep > 1 else None
+    per_assignment = torch.empty_like(back).index_copy_(0, st.order, back)
+    return per_assignment.view(n, k, x.shape[1]).sum(dim=1).to(x.dtype), torch.tensor(int(handle), dtype=torch.int64)
+
+
+def _grad_send(grad_y, handle, ids, group, ep):
+    """I, started: each assignment's output gradient (its token's) on its way to the expert's rank."""
+    st = _STATE[int(handle)]
+    k = ids.shape[1]
     g_send = grad_y.index_select(0, torch.div(st.order, k, rounding_mode="floor")).to(st.out.dtype)
-    g_rows = _all_to_all(g_send, st.recv, st.send, pg) if ep > 1 else g_send
+    _all_to_all(st, "grad_rows", g_send, st.recv, st.send, _group(group) if ep > 1 else None)
+    return torch.tensor(int(handle), dtype=torch.int64)
+
+
+def _grad_input(handle, group, ep, last):
+    """The received rows' and routing weights' gradients (and, in a fused backward, the
+    parameters'); their return started."""
+    st = _STATE[int(handle)]
+    g_rows = st.wait()["grad_rows"]
+    fuse = _FUSED[0] and not last and bool(st.params)
     with _autograd_inside():
-        if st.out.numel():
+        if not st.out.numel():
+            gx = gw = None
+        elif fuse:  # W right behind: one walk for every gradient (module docstring)
+            if st.extra.get("consumers") is not None:
+                st.extra["consumers"].active = False
+            gx, gw, *gp = torch.autograd.grad(st.out, [st.rows, st.weights, *st.params], g_rows, allow_unused=True)
+            st.extra["param_grads"] = gp
+        else:
             gx, gw = torch.autograd.grad(st.out, [st.rows, st.weights], g_rows, retain_graph=not last,
                                          allow_unused=True)
-        else:
-            gx = gw = None
-    gx = torch.zeros_like(st.rows) if gx is None else gx
-    gw = torch.zeros_like(st.weights) if gw is None else gw
-    if ep > 1:
-        gx, gw = _all_to_all(gx, st.send, st.recv, pg), _all_to_all(gw, st.send, st.recv, pg)
+    if not fuse:
+        st.grad_rows = g_rows
+    pg = _group(group) if ep > 1 else None
+    _all_to_all(st, "gx", torch.zeros_like(st.rows) if gx is None else gx, st.send, st.recv, pg)
+    _all_to_all(st, "gw", torch.zeros_like(st.weights) if gw is None else gw, st.send, st.recv, pg)
+    return torch.tensor(int(handle), dtype=torch.int64)
+
+
+def _grad_combine(handle, grad_y, ids, weights, last):
+    """The tokens' and routing weights' gradients: each token's rows summed."""
+    st = _STATE[int(handle)] if not last else _STATE.pop(int(handle))
+    got = st.wait()
+    n, k = ids.shape
     grad_x = grad_y.new_zeros(grad_y.shape).index_add_(0, torch.div(st.order, k, rounding_mode="floor"),
-                                                       gx.to(grad_y.dtype))
-    grad_w = weights.new_zeros(n * k).index_copy_(0, st.order, gw.to(weights.dtype)).view(n, k)
-    st.grad_rows = g_rows
+                                                       got["gx"].to(grad_y.dtype))
+    grad_w = weights.new_zeros(n * k).index_copy_(0, st.order, got["gw"].to(weights.dtype)).view(n, k)
     return grad_x, grad_w, torch.tensor(int(handle), dtype=torch.int64)
 
 
@@ -355,6 +432,8 @@ def _grad_weight(handle, params):
     with _autograd_inside():
         if not (st.out.numel() and st.params):
             grads = [None] * len(st.params)
+        elif "param_grads" in st.extra:  # computed by a fused backward's input-gradient op
+            grads = st.extra["param_grads"]
         elif consumers is not None and consumers.complete():
             grads = consumers.weight_grads(st.params)
         else:  # walk the private graph again from its output
@@ -408,8 +487,9 @@ class _ParameterConsumers(torch.overrides.TorchFunctionMode):
 
     def hooked(self) -> "_ParameterConsumers":
         """Register the hooks that keep each consumer output's gradient (computed by I)."""
+        self.active = True
         for k, (o, _mine) in enumerate(self.found):
-            o.register_hook(lambda g, k=k: self.grads.__setitem__(k, g))
+            o.register_hook(lambda g, k=k: self.grads.__setitem__(k, g) if self.active else None)
         self.params_of = self.reaches = None  # the weak maps are no longer needed
         return self
 
@@ -435,29 +515,69 @@ class _ParameterConsumers(torch.overrides.TorchFunctionMode):
 
 
 # -- the ops --------------------------------------------------------------------------------------------------------
+# Forward: send (start) -> experts (wait; compute; start) -> moe_dispatch (wait; the output and its autograd).
+# Backward (I): grad_send (start) -> grad_input (wait; compute; start) -> grad_combine (wait); W: grad_weight.
+# Between a chain's ops other work of the step may run while the collectives fly (passes/moe_overlap.py).
+def _handle_fake(*_args):
+    return torch.empty((), dtype=torch.int64, device="cpu")
+
+
+@torch.library.custom_op("autopar::moe_dispatch_send", mutates_args=())
+def _moe_dispatch_send(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, key: int, group: str | None,
+                       ep: int, n_local: int) -> torch.Tensor:
+    return _send(x, ids, weights, key, group, ep, n_local)
+
+
+_moe_dispatch_send.register_fake(_handle_fake)
+
+
+@torch.library.custom_op("autopar::moe_dispatch_experts", mutates_args=())
+def _moe_dispatch_experts(handle: torch.Tensor, params: list[torch.Tensor], key: int, group: str | None,
+                          ep: int) -> torch.Tensor:
+    return _experts(handle, params, key, group, ep)
+
+
+_moe_dispatch_experts.register_fake(_handle_fake)
+
 
 @torch.library.custom_op("autopar::moe_dispatch", mutates_args=())
 def _moe_dispatch(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list[torch.Tensor], key: int,
-                  group: str | None, ep: int, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(x, ids, weights, params, key, group, ep, n_local)
+                  group: str | None, ep: int, n_local: int, handle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _combine(x, ids, handle)
 
 
 @_moe_dispatch.register_fake
-def _(x, ids, weights, params, key, group, ep, n_local):
-    return x.new_empty(x.shape), torch.empty((), dtype=torch.int64, device="cpu")
+def _(x, ids, weights, params, key, group, ep, n_local, handle):
+    return x.new_empty(x.shape), _handle_fake()
+
+
+@torch.library.custom_op("autopar::moe_dispatch_grad_send", mutates_args=())
+def _moe_dispatch_grad_send(grad_y: torch.Tensor, handle: torch.Tensor, ids: torch.Tensor, group: str | None,
+                            ep: int) -> torch.Tensor:
+    return _grad_send(grad_y, handle, ids, group, ep)
+
+
+_moe_dispatch_grad_send.register_fake(_handle_fake)
 
 
 @torch.library.custom_op("autopar::moe_dispatch_grad_input", mutates_args=())
-def _moe_dispatch_grad_input(grad_y: torch.Tensor, handle: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                             key: int, group: str | None, ep: int, last: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                        torch.Tensor]:
-    return _grad_input(grad_y, handle, ids, weights, key, group, ep, last)
+def _moe_dispatch_grad_input(handle: torch.Tensor, ids: torch.Tensor, key: int, group: str | None, ep: int,
+                             last: bool) -> torch.Tensor:
+    return _grad_input(handle, group, ep, last)
 
 
-@_moe_dispatch_grad_input.register_fake
-def _(grad_y, handle, ids, weights, key, group, ep, last):
-    return grad_y.new_empty(grad_y.shape), weights.new_empty(ids.shape), torch.empty((), dtype=torch.int64,
-                                                                                     device="cpu")
+_moe_dispatch_grad_input.register_fake(_handle_fake)
+
+
+@torch.library.custom_op("autopar::moe_dispatch_grad_combine", mutates_args=())
+def _moe_dispatch_grad_combine(handle: torch.Tensor, grad_y: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                               last: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _grad_combine(handle, grad_y, ids, weights, last)
+
+
+@_moe_dispatch_grad_combine.register_fake
+def _(handle, grad_y, ids, weights, last):
+    return grad_y.new_empty(grad_y.shape), weights.new_empty(ids.shape), _handle_fake()
 
 
 @torch.library.custom_op("autopar::moe_dispatch_grad_weight", mutates_args=())
@@ -472,7 +592,7 @@ def _(handle, ids, params, key):
 
 
 def _setup(ctx, inputs, output):
-    x, ids, weights, params, key, group, ep, n_local = inputs
+    x, ids, weights, params, key, group, ep, n_local, _handle = inputs
     ctx.save_for_backward(output[1], ids, weights, *params)  # the parameters: W's op returns their shapes
     ctx.key, ctx.group, ctx.ep = key, group, ep
     ctx.mark_non_differentiable(output[1])
@@ -482,29 +602,40 @@ def _backward(ctx, grad_y, _grad_handle):
     handle, ids, weights, *params = ctx.saved_tensors
     need = ctx.needs_input_grad[3]
     want_params = bool(params) and (any(need) if isinstance(need, (list, tuple)) else bool(need))
-    grad_x, grad_w, token = torch.ops.autopar.moe_dispatch_grad_input(
-        grad_y.contiguous(), handle, ids, weights, ctx.key, ctx.group, ctx.ep, not want_params)
-    grad_params = torch.ops.autopar.moe_dispatch_grad_weight(token, ids, params, ctx.key) if want_params \
-        else [None] * len(params)
-    return grad_x, None, grad_w, list(grad_params), None, None, None, None
+    ops = torch.ops.autopar
+    with fused_backward():  # eager autograd runs W right behind I (a traced graph ignores this: fake kernels)
+        h = ops.moe_dispatch_grad_send(grad_y.contiguous(), handle, ids, ctx.group, ctx.ep)
+        h = ops.moe_dispatch_grad_input(h, ids, ctx.key, ctx.group, ctx.ep, not want_params)
+        grad_x, grad_w, token = ops.moe_dispatch_grad_combine(h, grad_y, ids, weights, not want_params)
+        grad_params = ops.moe_dispatch_grad_weight(token, ids, params, ctx.key) if want_params \
+            else [None] * len(params)
+    return grad_x, None, grad_w, list(grad_params), None, None, None, None, None
 
 
 _moe_dispatch.register_autograd(_backward, setup_context=_setup)
 
-DISPATCH_OPS = (torch.ops.autopar.moe_dispatch.default,)
-BACKWARD_OPS = (torch.ops.autopar.moe_dispatch_grad_input.default, torch.ops.autopar.moe_dispatch_grad_weight.default)
+DISPATCH_OPS = (torch.ops.autopar.moe_dispatch.default,)  # the op with the block's output: what the planner reads
+FORWARD_OPS = (torch.ops.autopar.moe_dispatch_send.default, torch.ops.autopar.moe_dispatch_experts.default,
+               torch.ops.autopar.moe_dispatch.default)
+BACKWARD_OPS = (torch.ops.autopar.moe_dispatch_grad_send.default, torch.ops.autopar.moe_dispatch_grad_input.default,
+                torch.ops.autopar.moe_dispatch_grad_combine.default, torch.ops.autopar.moe_dispatch_grad_weight.default)
+CHAINS = (FORWARD_OPS, BACKWARD_OPS[:3])  # (start, middle, finish): what passes/moe_overlap.py spreads out
 
 
 def dropless_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list, key: int,
                      group: str | None, ep: int, n_local: int) -> torch.Tensor:
     """The routed experts' output ``[N, d]`` (module docstring); ``params`` in the order the
     module was registered with."""
-    y, _handle = torch.ops.autopar.moe_dispatch(x, ids, weights, list(params), key, group, ep, n_local)
+    ops = torch.ops.autopar
+    params = list(params)
+    h = ops.moe_dispatch_send(x.detach(), ids, weights.detach(), key, group, ep, n_local)
+    h = ops.moe_dispatch_experts(h, [p.detach() for p in params], key, group, ep)
+    y, _handle = ops.moe_dispatch(x, ids, weights, params, key, group, ep, n_local, h)
     return y
 
 
 def is_dispatch_node(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target in DISPATCH_OPS + BACKWARD_OPS
+    return node.op == "call_function" and node.target in FORWARD_OPS + BACKWARD_OPS
 
 
 # -- what the planner prices ----------------------------------------------------------------------------------------
@@ -533,16 +664,19 @@ def routed_info(node: fx.Node) -> RoutedInfo | None:
 
 def dispatch_flops(target, args) -> int | None:
     """FLOPs of a call of one of the dispatch ops (``args``: its arguments, fake or real) at the
-    mean routing, or None for another op: the forward's rows through their experts; the
-    input-gradient op the same again (the input-gradient GEMMs); the weight-gradient op the
-    same again plus the re-walk of the private graph's path (module docstring), counted as
-    half the forward's."""
+    mean routing, or None for another op: the forward's rows through their experts (on the
+    op with the block's output); the input-gradient op the same again (the input-gradient
+    GEMMs); the weight-gradient op the same again plus the re-walk of the private graph's path
+    (module docstring), counted as half the forward's; the chain's other ops none (they move
+    rows)."""
     if target in DISPATCH_OPS:
         ids, key = args[1], args[4]
-    elif target is BACKWARD_OPS[0]:
-        ids, key = args[2], args[4]
     elif target is BACKWARD_OPS[1]:
+        ids, key = args[1], args[2]
+    elif target is BACKWARD_OPS[3]:
         return int(args[1].numel()) * _REGISTRY[args[3]].flops_per_row * 3 // 2
+    elif target in FORWARD_OPS + BACKWARD_OPS:
+        return 0
     else:
         return None
     return int(ids.numel()) * _REGISTRY[key].flops_per_row

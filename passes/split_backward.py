@@ -30,6 +30,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import keys, moe_dispatch
 from .costs import annotate_costs, graph_flops, is_random, value_bytes
+from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
 from .split_stages import StageGraph
 
@@ -132,6 +133,12 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     i_nodes = gin_anc if recompute else gin_anc - fwd_set
     w_nodes = gpar_anc - i_nodes if recompute else gpar_anc - fwd_set - i_nodes
     b_nodes = i_nodes | w_nodes
+    # the MoE dispatch chains spread over F and I, so their all-to-alls overlap other work
+    # (a stage without input gradients runs the backward chain in W)
+    if sum(spread_dispatch_chains(joint.graph, region, phase)
+           for region, phase in ((f_nodes, "F"), (i_nodes, "I"), (w_nodes, "I"))):
+        joint.graph.lint()
+        joint.recompile()
 
     order = {n: k for k, n in enumerate(joint.graph.nodes)}
 

@@ -25,6 +25,9 @@ import torch.fx as fx
 
 from .capture import CapturedGraph
 from .costs import node_time
+from .moe_dispatch import FORWARD_OPS
+
+IN_FLIGHT_OPS = FORWARD_OPS[:2]  # a MoE dispatch chain's send and experts ops: their handle stays in the stage
 
 log = logging.getLogger("autopar")
 
@@ -111,9 +114,13 @@ def _last_use(order: list[fx.Node], pos: dict) -> dict[fx.Node, int]:
 
 
 def _unwaited_collective(node: fx.Node) -> bool:
-    """The output of a functional collective before its ``wait_tensor`` (CP/EP all-to-alls):
-    it must not cross a stage cut (the receiving rank would get a value still in flight)."""
+    """The output of a functional collective before its ``wait_tensor`` (CP/EP all-to-alls), or
+    the handle of a MoE dispatch chain before its last op (passes/moe_dispatch.py: rows in
+    flight, state in this process): it must not cross a stage cut (the receiving rank would get
+    a value still in flight)."""
     target = getattr(node, "target", None)
+    if target in IN_FLIGHT_OPS:
+        return True
     ns = getattr(target, "namespace", None)
     return ns == "_c10d_functional" and "wait_tensor" not in str(target)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from autopar.passes import keys
+from autopar.passes import keys, moe_dispatch
 from autopar.passes.program import StageProgram
 
 from .execute import run
@@ -109,7 +109,7 @@ class StageWork:
 
     def full_backward(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
-        with record_function(f"{s}B{k}"):
+        with record_function(f"{s}B{k}"), moe_dispatch.fused_backward():
             self._gradients(s, prog.b, env)
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, frozenset({"__outputs__"}))

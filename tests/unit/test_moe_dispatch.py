@@ -137,3 +137,46 @@ def test_per_row_costs_are_the_experts_gemms():
     spec = moe_dispatch._REGISTRY[moe.experts._autopar_dispatch_key]
     assert spec.flops_per_row == 2 * 3 * 8 * 12
     assert spec.saved_row_elems >= 8 + 3 * 12  # the row, x @ w1, x @ w3 and the product at least
+
+
+def _op_positions(gm, targets):
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    return {t: [i for i, n in enumerate(nodes) if n.target is t] for t in targets}, nodes
+
+
+def test_dispatch_chains_spread_over_independent_work():
+    """passes/moe_overlap.py: in F the shared expert's three GEMMs (independent of the routed
+    rows) run between the rows' all-to-all start and the experts (half of their FLOPs) and between
+    the experts and the combine's wait; in the backward its input-gradient GEMMs sit inside the
+    backward chain; the recorded window FLOPs are those GEMMs' (2 * tokens * d * h each); one
+    step equals eager."""
+    torch.manual_seed(0)
+    net = _Net()
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(4, 3, 6), torch.randn(4, 3, 3)
+    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
+                             autopar.Plan(pp=1, num_microbatches=1), example_target=t)
+    loss = pm.step((x,), t)
+    want = _loss(ref(x), t)
+    want.backward()
+    assert float(loss) == pytest.approx(want.item(), rel=1e-5)
+    ops = torch.ops.autopar
+    send, experts, combine = (ops.moe_dispatch_send.default, ops.moe_dispatch_experts.default,
+                              ops.moe_dispatch.default)
+    prog = next(p for p in pm.built.programs if hasattr(p, "f"))
+    pos, nodes = _op_positions(prog.f.gm, (send, experts, combine, torch.ops.aten.mm.default))
+    s, e, c = pos[send][0], pos[experts][0], pos[combine][0]  # moe1: the block with a shared expert
+    shared = [i for i in pos[torch.ops.aten.mm.default] if s < i < c]
+    assert len(shared) == 3 and min(shared) < e < max(shared)
+    gemm = 2 * 12 * 16 * 24  # tokens x d_model x expert hidden (the shared expert's width)
+    record = nodes[c].meta["autopar_moe_overlap"]
+    assert sum(record["F"]) == 3 * gemm and record["F"][0] >= record["F"][1] > 0
+    assert nodes[pos[combine][1]].meta["autopar_moe_overlap"]["F"] == (0, 0)  # moe2: nothing independent
+    # backward (stage 0 has no input gradient: its chains run in W)
+    pos, nodes = _op_positions(prog.w.gm, (ops.moe_dispatch_grad_send.default, ops.moe_dispatch_grad_input.default,
+                                           ops.moe_dispatch_grad_combine.default, torch.ops.aten.mm.default))
+    gs, gi, gc = (max(pos[o]) for o in (ops.moe_dispatch_grad_send.default, ops.moe_dispatch_grad_input.default,
+                                         ops.moe_dispatch_grad_combine.default))  # moe1's chain runs last
+    inside = [i for i in pos[torch.ops.aten.mm.default] if gs < i < gc]
+    assert any(i < gi for i in inside) and any(i > gi for i in inside)
+    assert sum(record["I"]) > 0
