@@ -64,7 +64,7 @@ class _BoxedCodeGen(fx.graph.CodeGen):
 
 
 def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = (),
-                          into_dtypes: tuple | None = None) -> Callable:
+                          into_dtypes: tuple | None = None, pause_after: tuple = ()) -> Callable:
     """``fn(args: list)`` computing gm's results from gm's arguments (run it under no_grad).
 
     Boxed: ``fn`` empties ``args`` on entry, so a caller that hands over its only reference to
@@ -78,6 +78,11 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = (),
     sum over memory. ``into_dtypes``: the accumulators' dtypes (None: each result's own); a
     result whose accumulator has another dtype (an fp32 accumulator of a bf16 gradient, mixed
     precision) is cast as it is added (``add_``), never fused into the GEMM.
+
+    ``pause_after``: ops (OpOverloads) after each call of which the function pauses: it is then
+    a generator function (``yield`` after those calls; its value is ``StopIteration.value``),
+    so that an executor can run another program while the op's communication is in flight
+    (runtime/execute.py ``run_paired``).
     """
     graph = fx.Graph()
     val_map: dict[fx.Node, fx.Node] = {}
@@ -90,12 +95,30 @@ def compile_for_execution(gm: fx.GraphModule, accumulate: tuple[int, ...] = (),
     code = graph.python_code(root_module="self")
     glb = dict(code.globals)
     src = _OP_REF.sub(lambda m: _bind(m, glb), code.src)
+    if pause_after:
+        src = _pause_after(src, {_bound_name(op) for op in pause_after})
     filename = f"<autopar {type(gm).__name__} #{next(_counter)}>"
     linecache.cache[filename] = (len(src), None, src.splitlines(True), filename)  # readable tracebacks
     exec(compile(src, filename, "exec"), glb)
     fn = glb["forward"]
     fn.__autopar_source__ = src
     return fn.__get__(gm)
+
+
+def _bound_name(op) -> str:
+    ns, rest = op.name().split("::")
+    return f"_op_{ns}_{rest}_{op._overloadname}"
+
+
+def _pause_after(src: str, names: set[str]) -> str:
+    """A ``yield`` after every line that calls one of the bound ops ``names``."""
+    out = []
+    for line in src.splitlines():
+        out.append(line)
+        stripped = line.lstrip()
+        if "=" in stripped and stripped.split("=", 1)[1].lstrip().split("(", 1)[0] in names:
+            out.append(line[: len(line) - len(stripped)] + "yield")
+    return "\n".join(out) + "\n"
 
 
 def _bind(m: re.Match, glb: dict) -> str:

@@ -619,7 +619,7 @@ FORWARD_OPS = (torch.ops.autopar.moe_dispatch_send.default, torch.ops.autopar.mo
                torch.ops.autopar.moe_dispatch.default)
 BACKWARD_OPS = (torch.ops.autopar.moe_dispatch_grad_send.default, torch.ops.autopar.moe_dispatch_grad_input.default,
                 torch.ops.autopar.moe_dispatch_grad_combine.default, torch.ops.autopar.moe_dispatch_grad_weight.default)
-CHAINS = (FORWARD_OPS, BACKWARD_OPS[:3])  # (start, middle, finish): what passes/moe_overlap.py spreads out
+IN_FLIGHT_OPS = FORWARD_OPS[:2] + BACKWARD_OPS[:2]  # after these, an all-to-all is in flight
 
 
 def dropless_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list, key: int,

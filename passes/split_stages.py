@@ -25,9 +25,7 @@ import torch.fx as fx
 
 from .capture import CapturedGraph
 from .costs import node_time
-from .moe_dispatch import FORWARD_OPS
-
-IN_FLIGHT_OPS = FORWARD_OPS[:2]  # a MoE dispatch chain's send and experts ops: their handle stays in the stage
+from .moe_dispatch import IN_FLIGHT_OPS  # a MoE dispatch chain's handle before its last op stays in its stage
 
 log = logging.getLogger("autopar")
 

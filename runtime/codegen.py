@@ -8,18 +8,18 @@ read what rank r does.
 """
 from __future__ import annotations
 
-from .actions import calls
+from .actions import program_calls
 
 
-def generate_source(actions, stage_to_rank, rank: int, name: str = "step") -> str:
-    """Source of ``def <name>(rt)`` running ``actions`` (rank ``rank``'s lowered program)."""
+def generate_source(actions, stage_to_rank, rank: int, name: str = "step", overlap=frozenset()) -> str:
+    """Source of ``def <name>(rt)`` running ``actions`` (rank ``rank``'s lowered program;
+    ``overlap``: positions of its F&B units, ``Lowered.overlap[rank]``)."""
     lines = [f"def {name}(rt):",
              f"    # pipeline rank {rank}: {sum(1 for a in actions if a.is_compute)} compute actions, "
              f"{sum(1 for a in actions if not a.is_compute)} communication actions"]
-    for a in actions:
-        for c in calls(a, stage_to_rank, rank):
-            line = f"    rt.{c.primitive}({', '.join(map(repr, c.args))})"
-            lines.append(f"{line}  # {c.note}" if c.note else line)
+    for c in program_calls(actions, stage_to_rank, rank, overlap):
+        line = f"    rt.{c.primitive}({', '.join(map(repr, c.args))})"
+        lines.append(f"{line}  # {c.note}" if c.note else line)
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ from . import comms
 from .actions import interpret
 from .boundary import input_wires
 from .codegen import compile_step, generate_source
+from .execute import pauses
 from .mesh import Mesh
 from .stage_work import StageWork
 from .streams import CommStream
@@ -67,9 +68,10 @@ class DistributedPipeline:
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._eval_actions = None  # the lowered forward-only program of an evaluation, made on first use
         self.training = True
+        self.units = self._units(lowered, data_parallel)
         if generated:
             self.program = compile_step(generate_source(lowered.actions[mesh.pp_rank], schedule.stage_to_rank,
-                                                        mesh.pp_rank))
+                                                        mesh.pp_rank, overlap=self.units))
         # how activations cross ranks (runtime/boundary.py): as the receiving stage traced them
         self._in_wires = {s: input_wires(programs[s].stage) for s in self.my_stages}
         self._out_wires = {s: input_wires(programs[s + 1].stage) for s in self.my_stages
@@ -125,7 +127,7 @@ class DistributedPipeline:
             elif self.program is not None:
                 self.program(self)
             else:
-                interpret(self, self.lowered.actions[self.mesh.pp_rank], self.owner, self.mesh.pp_rank)
+                interpret(self, self.lowered.actions[self.mesh.pp_rank], self.owner, self.mesh.pp_rank, self.units)
             assert not self._pending, f"receives never consumed: {sorted(self._pending)}"
             self.at("waiting for sends to finish")
             for w, _t in self._sends:
@@ -142,6 +144,17 @@ class DistributedPipeline:
         self.at("done")
         self.step_index += 1
         return loss
+
+    def _units(self, lowered, data_parallel) -> frozenset[int]:
+        """Positions of this rank's F&B units that run interleaved (``forward_backward``): those
+        of a DualPipeV schedule whose programs leave all-to-alls in flight (MoE dispatch
+        chains), except under ZeRO-3, whose two parameter gather buffers serve one program at
+        a time (the unit's halves then run one after the other, as every other schedule's)."""
+        if not lowered.overlap or getattr(data_parallel, "zero", 0) == 3:
+            return frozenset()
+        if not pauses([self.programs[s] for s in self.my_stages]):
+            return frozenset()
+        return frozenset(lowered.overlap[self.mesh.pp_rank])
 
     def at(self, what: str) -> None:
         self.position = f"step {self.step_index}, {what}"
@@ -208,6 +221,16 @@ class DistributedPipeline:
     def forward(self, s: int, k: int) -> None:
         self.at(f"running {s}F{k}")
         self.work.forward(s, k, train=self.training)
+        self._forwarded(s, k)
+
+    def forward_backward(self, sf: int, kf: int, sb: int, kb: int, kind: str) -> None:
+        """An F&B unit: the two programs interleaved (runtime/stage_work.py), then each half's hand-over."""
+        self.at(f"running {sf}F{kf} with {sb}{kind}{kb}")
+        self.work.forward_backward(sf, kf, sb, kb, kind)
+        self._forwarded(sf, kf)
+        self._backwarded(sb, kb, kind)
+
+    def _forwarded(self, s: int, k: int) -> None:
         if s + 1 == self.schedule.num_stages:
             self.work.take_outputs(s, k)
         elif self.owner[s + 1] == self.mesh.pp_rank:  # next stage on this rank: hand over in place
@@ -218,6 +241,9 @@ class DistributedPipeline:
         """kind "I" (input grads only) or "B" (input and weight grads)."""
         self.at(f"running {s}{kind}{k}")
         (self.work.input_grads if kind == "I" else self.work.full_backward)(s, k)
+        self._backwarded(s, k, kind)
+
+    def _backwarded(self, s: int, k: int, kind: str) -> None:
         if s == 0:
             self.work.take_input_grads(s, k)
         elif self.owner[s - 1] == self.mesh.pp_rank:

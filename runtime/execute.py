@@ -7,9 +7,12 @@ here, so what ``pm.dump`` prints and the analyses read stays the graph as split.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from autopar.passes.exec_code import compile_for_execution
+from autopar.passes.moe_dispatch import IN_FLIGHT_OPS
 from autopar.passes.program import Program
 
 _CACHE = "_autopar_executable"  # attribute of the GraphModule: (its code when compiled, {accumulate: fn})
@@ -27,13 +30,7 @@ def run(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = 
     program reads are taken out of env, so each is freed inside the program right after its
     last use (None: env keeps everything).
     """
-    if keep is None:
-        args = [env[k] if k in env else state[k] for k in program.args]
-    else:
-        args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in program.args]
-    if accumulate:
-        args += into
-    fn = executable(program, accumulate, tuple(t.dtype for t in into) if accumulate else ())
+    args, fn = _prepare(program, env, state, accumulate, into, keep, pausing=False)
     # The programs are already forward+backward: autograd must not record them again (it
     # would cost time and keep I's intermediates alive through the gradients it returns).
     with torch.no_grad():
@@ -41,20 +38,73 @@ def run(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = 
     env.update(zip(program.results, outs))
 
 
-def executable(program: Program, accumulate: tuple[str, ...] = (), into_dtypes: tuple = ()):
+def _prepare(program, env, state, accumulate, into, keep, pausing: bool):
+    if keep is None:
+        args = [env[k] if k in env else state[k] for k in program.args]
+    else:
+        args = [(env[k] if k in keep else env.pop(k)) if k in env else state[k] for k in program.args]
+    if accumulate:
+        args += into
+    fn = executable(program, accumulate, tuple(t.dtype for t in into) if accumulate else (), pausing)
+    return args, fn
+
+
+def start(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = (), into: list | None = None,
+          keep: frozenset[str] | None = None):
+    """``run`` as a generator: it pauses after every op that leaves communication in flight
+    (the MoE dispatch chains' start and middle ops, passes/moe_dispatch.py) and stores the
+    results in env when it is exhausted. For ``run_paired``."""
+    args, fn = _prepare(program, env, state, accumulate, into, keep, pausing=True)
+    with torch.no_grad():
+        gen = fn(args)
+    if not inspect.isgenerator(gen):  # nothing in flight in this program: it ran whole
+        env.update(zip(program.results, gen))
+        return
+    while True:
+        with torch.no_grad():
+            try:
+                next(gen)
+            except StopIteration as done:
+                env.update(zip(program.results, done.value))
+                return
+        yield
+
+
+def pauses(stage_programs) -> bool:
+    """Whether any F, I or B of these stage programs leaves communication in flight (a MoE
+    dispatch chain): only then does interleaving an F&B unit's halves hide anything."""
+    return any(n.op == "call_function" and n.target in IN_FLIGHT_OPS
+               for sp in stage_programs for prog in (sp.f, sp.i, sp.b) for n in prog.gm.graph.nodes)
+
+
+def run_paired(first, second) -> None:
+    """Run two ``start`` generators (an F&B unit's two programs) to the end, alternating at their
+    pauses: while one's all-to-all is in flight, the other computes. The order is fixed by the
+    programs alone, so every rank of a group issues its collectives in the same order."""
+    live = [first, second]
+    while live:
+        for gen in list(live):
+            try:
+                next(gen)
+            except StopIteration:
+                live.remove(gen)
+
+
+def executable(program: Program, accumulate: tuple[str, ...] = (), into_dtypes: tuple = (), pausing: bool = False):
     """The program compiled for running: ``fn(args: list)``, boxed; the results named in
     ``accumulate`` are added into extra trailing arguments of ``into_dtypes`` (default: each
-    result's own dtype). Rebuilt if the GraphModule was recompiled."""
+    result's own dtype); ``pausing``: a generator function (``start``). Rebuilt if the
+    GraphModule was recompiled."""
     gm = program.gm
     code = gm.code
     entry = gm.__dict__.get(_CACHE)
     if entry is None or entry[0] is not code:
         entry = gm.__dict__[_CACHE] = (code, {})
-    fn = entry[1].get((accumulate, into_dtypes))
+    fn = entry[1].get((accumulate, into_dtypes, pausing))
     if fn is None:
         index = {k: i for i, k in enumerate(program.results)}
-        fn = entry[1][accumulate, into_dtypes] = compile_for_execution(
-            gm, tuple(index[k] for k in accumulate), into_dtypes or None)
+        fn = entry[1][accumulate, into_dtypes, pausing] = compile_for_execution(
+            gm, tuple(index[k] for k in accumulate), into_dtypes or None, IN_FLIGHT_OPS if pausing else ())
     return fn
 
 

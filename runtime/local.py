@@ -14,7 +14,8 @@ from autopar.passes.program import StageProgram
 from autopar.schedules.deps import Key, needs, produces
 from autopar.schedules.ir import forward_only
 
-from .actions import run_action
+from .actions import run_action, unit_calls
+from .execute import pauses
 from .stage_work import StageWork
 
 
@@ -59,6 +60,7 @@ class LocalPipeline:
         owner = schedule.stage_to_rank
         done: set[Key] = set()  # the values computed so far
         actions = [list(a) for a in schedule.actions]
+        paired = [self.units(r) for r in range(len(actions))]
         cursor = [0] * len(actions)
         self.executed = [[] for _ in actions]
         remaining = sum(len(a) for a in actions)
@@ -67,13 +69,19 @@ class LocalPipeline:
             for r, acts in enumerate(actions):
                 while cursor[r] < len(acts):
                     a = acts[cursor[r]]
-                    if not self._ready(a, done):
+                    unit = acts[cursor[r]: cursor[r] + 2] if train and cursor[r] in paired[r] else [a]
+                    if not all(self._ready(x, done) for x in unit):
                         break
-                    run_action(self, a, owner, r)
-                    done.update(produces(a))
-                    self.executed[r].append(str(a))
-                    cursor[r] += 1
-                    remaining -= 1
+                    if len(unit) == 2:
+                        for c in unit_calls(*unit, owner, r):
+                            getattr(self, c.primitive)(*c.args)
+                    else:
+                        run_action(self, a, owner, r)
+                    for x in unit:
+                        done.update(produces(x))
+                        self.executed[r].append(str(x))
+                    cursor[r] += len(unit)
+                    remaining -= len(unit)
                     progressed = True
             if not progressed:
                 stuck = {r: str(acts[cursor[r]]) for r, acts in enumerate(actions) if cursor[r] < len(acts)}
@@ -99,8 +107,21 @@ class LocalPipeline:
         if self.transfers is not None:
             self.work.put_grads(s, k, self._in_flight.pop(("B", s, k)).wait())
 
+    def units(self, r: int) -> frozenset[int]:
+        """Positions of rank r's F&B units that run interleaved (runtime/distributed.py ``_units``)."""
+        progs = [p for s, p in enumerate(self.programs) if self.schedule.stage_to_rank[s] == r]
+        return frozenset(self.schedule.overlaps(r)) if pauses(progs) else frozenset()
+
+    def forward_backward(self, sf: int, kf: int, sb: int, kb: int, kind: str) -> None:
+        self.work.forward_backward(sf, kf, sb, kb, kind)
+        self._forwarded(sf, kf)
+        self._backwarded(sb, kb)
+
     def forward(self, s: int, k: int) -> None:
         self.work.forward(s, k, train=self.training)
+        self._forwarded(s, k)
+
+    def _forwarded(self, s: int, k: int) -> None:
         outputs = self.work.take_outputs(s, k)
         if s + 1 < self.num_stages:
             if self._crosses(s, s + 1):
@@ -111,6 +132,9 @@ class LocalPipeline:
     def backward(self, s: int, k: int, kind: str) -> None:
         """kind "I" (input grads only) or "B" (input and weight grads)."""
         (self.work.input_grads if kind == "I" else self.work.full_backward)(s, k)
+        self._backwarded(s, k)
+
+    def _backwarded(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
         if s > 0:
             if self._crosses(s, s - 1):

@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from autopar.passes import keys, moe_dispatch
 from autopar.passes.program import StageProgram
 
-from .execute import run
+from .execute import run, run_paired, start
 
 
 class ParamGrads:
@@ -73,10 +73,36 @@ class StageWork:
     def forward(self, s: int, k: int, train: bool = True) -> None:
         """Stage s's F on microbatch k. ``train=False`` (evaluation): nothing is kept for a
         backward and buffers are not updated."""
+        with record_function(f"{s}F{k}"):
+            _drain(self._forward(s, k, train, paused=False))
+
+    def input_grads(self, s: int, k: int) -> None:
+        with record_function(f"{s}I{k}"):
+            _drain(self._input_grads(s, k, paused=False))
+
+    def weight_grads(self, s: int, k: int) -> None:
+        prog, env = self.programs[s], self.envs[s, k]
+        with record_function(f"{s}W{k}"):
+            _drain(self._gradients(s, prog.w, env, paused=False))
+        _release(env, frozenset({"__gin__", "__outputs__"}))
+
+    def full_backward(self, s: int, k: int) -> None:
+        with record_function(f"{s}B{k}"):
+            _drain(self._full_backward(s, k, paused=False))
+
+    def forward_backward(self, sf: int, kf: int, sb: int, kb: int, kind: str) -> None:
+        """An F&B unit (DualPipeV): stage sf's F on microbatch kf and stage sb's I or B (``kind``)
+        on microbatch kb, run alternately at the points where one leaves an all-to-all in
+        flight (runtime/execute.py ``run_paired``), so each one's MoE dispatch is hidden behind
+        the other's compute. Values and order of each program are those of running them apart."""
+        back = self._input_grads(sb, kb, paused=True) if kind == "I" else self._full_backward(sb, kb, paused=True)
+        with record_function(f"{sf}F{kf}&{sb}{kind}{kb}"):
+            run_paired(self._forward(sf, kf, True, paused=True), back)
+
+    def _forward(self, s: int, k: int, train: bool, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
         keep = prog.keys_after("F") if train else _NOTHING
-        with record_function(f"{s}F{k}"):
-            run(prog.f, env, self.state, keep=keep)
+        yield from _run(paused, prog.f, env, self.state, keep=keep)
         for fqn in prog.stage.buffer_updates:
             update = env.pop(keys.update(fqn))
             if train:
@@ -93,40 +119,33 @@ class StageWork:
         _release(env, keep)
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
 
-    def input_grads(self, s: int, k: int) -> None:
+    def _input_grads(self, s: int, k: int, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
-        with record_function(f"{s}I{k}"):
-            run(prog.i, env, self.state, keep=prog.keys_after("I"))
+        yield from _run(paused, prog.i, env, self.state, keep=prog.keys_after("I"))
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, prog.keys_after("I") | {"__outputs__"})
         env["__gin__"] = gin
 
-    def weight_grads(self, s: int, k: int) -> None:
+    def _full_backward(self, s: int, k: int, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
-        with record_function(f"{s}W{k}"):
-            self._gradients(s, prog.w, env)
-        _release(env, frozenset({"__gin__", "__outputs__"}))
-
-    def full_backward(self, s: int, k: int) -> None:
-        prog, env = self.programs[s], self.envs[s, k]
-        with record_function(f"{s}B{k}"), moe_dispatch.fused_backward():
-            self._gradients(s, prog.b, env)
+        with moe_dispatch.fused_backward():
+            yield from self._gradients(s, prog.b, env, paused)
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, frozenset({"__outputs__"}))
         env["__gin__"] = gin
 
-    def _gradients(self, s: int, program, env: dict) -> None:
+    def _gradients(self, s: int, program, env: dict, paused: bool):
         """Run stage s's W or B. Without a grad_sink it adds every parameter gradient into its
         accumulator (zeroed at the first microbatch), a linear layer's inside its weight-gradient
         GEMM when the dtypes agree (passes/exec_code.py), so no fresh gradient lives beside the
         accumulator. With one (ZeRO-2/3 flat buffers), the fresh gradients go to the sink."""
         prog = self.programs[s]
         if self.grad_sink is not None:
-            run(program, env, self.state, keep=_NOTHING)
+            yield from _run(paused, program, env, self.state, keep=_NOTHING)
             self._accumulate(prog, env)
             return
         into = [self.grads.accumulator(fqn) for fqn in prog.grad_params]
-        run(program, env, self.state, self._grad_keys[s], into, keep=_NOTHING)
+        yield from _run(paused, program, env, self.state, self._grad_keys[s], into, keep=_NOTHING)
 
     def _accumulate(self, prog: StageProgram, env: dict) -> None:
         """Fresh gradients into the grad_sink, or (parameters it does not take) into ``grads``."""
@@ -166,6 +185,20 @@ class StageWork:
 
 
 _NOTHING = frozenset()  # after W or B, no program of the microbatch reads its env
+
+
+def _run(paused: bool, *args, **kwargs):
+    """A program run as a generator: pausing where it leaves communication in flight
+    (``paused``), or whole at the first ``next``."""
+    if paused:
+        yield from start(*args, **kwargs)
+    else:
+        run(*args, **kwargs)
+
+
+def _drain(gen) -> None:
+    for _ in gen:
+        pass
 
 
 def with_strides(t: torch.Tensor, strides: tuple[int, ...]) -> torch.Tensor:

@@ -4,8 +4,9 @@ PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps 1e-4)
 
 One process group per world size runs its models as sub-cases (a failing sub-case is
 reported, the others still run):
-  2 ranks: dp=2 x ep=2, 1f1b: Mixtral, Qwen3-MoE, DeepSeek-V3, "custom" (below)
-  4 ranks: pp=2 x dp=2 x ep=2, zb-h1: Mixtral (MoE blocks on both pipeline stages; stage 0's
+  2 ranks: dp=2 x ep=2, 1f1b, ZeRO-3: Mixtral, Qwen3-MoE, DeepSeek-V3, "custom" (below)
+  4 ranks: pp=2 x dp=2 x ep=2, dualpipev (4 microbatches; its F&B units run their programs
+           interleaved), ZeRO-1: Mixtral (MoE blocks on both pipeline ranks; stage 0's
            backward all-to-alls run in its late W), DeepSeek-V3, and "custom": tiny Mixtral
            whose ``mlp.experts`` a user replaced with experts modules of their own (not
            transformers classes: layer 0 loops over its experts with one-hot masks, layer 1
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.slow
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 BATCH, SEQ, LR = 8, 8, 1.0
-PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=1),
-         4: dict(pp=2, dp=2, ep=2, schedule="zb-h1", num_microbatches=2, zero=3)}
+PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3),
+         4: dict(pp=2, dp=2, ep=2, schedule="dualpipev", num_microbatches=4, zero=1)}
 WORLD_MODELS = {2: MODELS + ("custom", "dropless"), 4: ("mixtral", "deepseek_v3", "custom", "dropless")}
 VOCAB_DROPLESS, D_DROPLESS = 64, 16
 
@@ -236,7 +237,8 @@ def _train_all(rank, world, plan, names):
             losses.append(pm.step(case.inputs, case.target))
             local = {f: tuple(p.shape) for f, p in ep.params.items()}
             out[name] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
-                         "local_shapes": local, "wire": wire, "routed": routed}
+                         "local_shapes": local, "wire": wire, "routed": routed,
+                         "units": len(pm.built.executor.units)}
         except Exception:  # noqa: BLE001 - report per sub-case, keep the group going
             out[name] = traceback.format_exc()
     return out
@@ -354,6 +356,8 @@ def _check(name, plan, per_rank):
         for fqn, shape in sub["local_shapes"].items():
             assert shape[0] * 2 == ref_state[fqn].shape[0], (fqn, shape)
         assert sub["local_shapes"], "no expert parameter was sharded"
+    if plan.get("schedule") == "dualpipev":  # its F&B units run interleaved (runtime/execute.py run_paired)
+        assert sum(res[name]["units"] for res in per_rank) > 0
 
 
 _RESULTS: dict = {}  # one run per world, shared by its test cases

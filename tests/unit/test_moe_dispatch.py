@@ -180,3 +180,59 @@ def test_dispatch_chains_spread_over_independent_work():
     inside = [i for i in pos[torch.ops.aten.mm.default] if gs < i < gc]
     assert any(i < gi for i in inside) and any(i > gi for i in inside)
     assert sum(record["I"]) > 0
+
+
+class _DeepNet(nn.Module):
+    """Four dropless MoE blocks (one per DualPipeV stage at pp=2, so every F&B unit pairs two chains)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 16)
+        self.blocks = nn.ModuleList(MoE(16, 24, 4, 2, capacity_factor=None, aux_loss_weight=0.1) for _ in range(4))
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        aux = 0.0
+        for moe in self.blocks:
+            y, a = moe(h)
+            h, aux = h + y, aux + a
+        return self.head(h), aux
+
+
+def test_dualpipev_units_interleave_their_dispatch_chains(monkeypatch):
+    """DualPipeV's F&B units run their two programs alternately at the chains' in-flight points
+    (runtime/execute.py run_paired): an F's rows leave, then the paired backward's gradient rows
+    leave before that F's experts run; two steps equal eager."""
+    events = []
+    for name in ("_send", "_experts", "_grad_send", "_grad_input"):
+        real = getattr(moe_dispatch, name)
+        monkeypatch.setattr(moe_dispatch, name, functools.partial(
+            lambda real, name, *a, **kw: events.append(name) or real(*a, **kw), real, name))
+    torch.manual_seed(0)
+    net = _DeepNet()
+    ref = copy.deepcopy(net)
+    x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
+    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
+                             autopar.Plan(pp=2, schedule="dualpipev", num_microbatches=4), example_target=t)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        events.clear()
+        loss = pm.step((x,), t)
+        ref_opt.zero_grad()
+        want = 0.0
+        for xm, tm in zip(x.chunk(4), t.chunk(4)):
+            part = _loss(ref(xm), tm) / 4
+            part.backward()
+            want += part.item()
+        ref_opt.step()
+        assert float(loss) == pytest.approx(want, rel=1e-5)
+        assert moe_dispatch.live_handles() == 0
+    state = pm.state_dict()
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    units = sum(len(pm.built.executor.units(r)) for r in range(2))
+    assert units > 0
+    interleaved = sum(a == "_send" and b == "_grad_send" for a, b in zip(events, events[1:]))
+    # run apart, an F's send is always followed by its own experts: only the units interleave
+    assert 0 < interleaved <= 2 * units
