@@ -12,7 +12,9 @@ weights:
 
   autopar     ``autopar.passes.moe_dispatch``: per-expert counts all-gathered, the routed rows
               and their weights moved by uneven all-to-alls, ``GroupedExperts.run_rows`` on
-              exactly the received rows, the reverse all-to-all; backward by its two ops
+              exactly the received rows, the reverse all-to-all (three ops); backward by its
+              input- and weight-gradient ops, fused as eager autograd runs them (one walk of
+              the experts' private graph; a zero-bubble schedule's deferred W walks it twice)
   worst-case  the static dropless buffer: every (source, destination) pair gets
               ``P = N * min(k, E/ep)`` slots (no routing can overflow it), even all-to-alls of
               the padded ``[ep * P, d]`` buffer and its ids, the experts on every slot
