@@ -179,7 +179,7 @@ class MoE(nn.Module):
         if capacity_factor is None:
             e = self.experts
             moe_dispatch.register_experts(e, GroupedExperts.run_rows, {"w1": e.w1, "w3": e.w3, "w2": e.w2},
-                                          type(self).__name__, n_experts, d_model)
+                                          type(self).__name__, n_experts, d_model, probe_experts=min(n_experts, 2))
         if selection_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         else:

@@ -114,7 +114,15 @@ class _State:
     params: list = field(default_factory=list)  # parameter leaves of the private graph
     out: torch.Tensor | None = None  # the local experts' output on the received rows
     grad_rows: torch.Tensor | None = None  # set by I: the output gradients W needs
+    recompute: bool = False  # F kept only the rows and weights: I runs the experts again
     extra: dict = field(default_factory=dict)
+
+    def release(self) -> None:
+        """Break the cycle the consumers' tensor hooks make (hook -> consumers -> their outputs ->
+        hook, through autograd's C++ side, which the garbage collector does not see)."""
+        consumers = self.extra.pop("consumers", None)
+        if consumers is not None:
+            consumers.found, consumers.grads = [], {}
 
     def wait(self) -> dict:
         """Finish the collectives in flight; their buffers."""
@@ -143,16 +151,20 @@ def fused_backward():
         _FUSED[0] = prev
 
 
-def register_experts(module, run: Callable, params: dict, layer: str, n_experts: int, d: int) -> int:
+def register_experts(module, run: Callable, params: dict, layer: str, n_experts: int, d: int,
+                     probe_experts: int | None = None) -> int:
     """Register an experts module's local runner ``run(params, rows [M, d], local ids [M],
     weights [M]) -> [M, d]`` over its parameters ``params`` (name -> tensor, in the order the op
     will take their values); returns the key ``dropless_experts`` takes. Its per-row FLOPs and
     saved bytes (what the planner prices) are measured here on fake tensors. The module keeps
     the key as ``_autopar_dispatch_key``; copies of it share the entry (held strongly: the
-    parameter values always come from the graph)."""
+    parameter values always come from the graph). ``probe_experts``: measure on the first that
+    many experts only (a runner whose per-row cost does not depend on the expert count, such as
+    ``GroupedExperts.run_rows``: 256 experts probe in ~1 s, 2 in milliseconds)."""
     first = next(iter(params.values()))
+    probe = params if probe_experts is None else {n: p[:probe_experts] for n, p in params.items()}
     try:
-        flops, saved = probe_row_costs(run, params, d, int(first.shape[0]), first.dtype)
+        flops, saved = probe_row_costs(run, probe, d, int(next(iter(probe.values())).shape[0]), first.dtype)
     except Exception as e:  # noqa: BLE001 - the user's code on fake tensors: fall back to the weights' count
         flops = 2 * sum(p.numel() // max(int(p.shape[0]), 1) for p in params.values())
         saved = d + flops // (2 * max(d, 1))
@@ -248,6 +260,8 @@ def reset_stats() -> None:
 
 def clear() -> None:
     """Drop every live dispatch state (what a failed or forward-only step left behind)."""
+    for st in _STATE.values():
+        st.release()
     _STATE.clear()
 
 
@@ -349,27 +363,45 @@ def _send(x, ids, weights, key, group, ep, n_local):
     return torch.tensor(handle, dtype=torch.int64)
 
 
-def _experts(handle, params, key, group, ep):
-    """The received rows through the local experts (private autograd graph); the combine started."""
+def _experts(handle, params, key, group, ep, recompute):
+    """The received rows through the local experts (private autograd graph; with ``recompute``
+    none: only the rows and their weights are kept, and I runs the experts again); the
+    combine started."""
     spec, st = _REGISTRY[key], _STATE[int(handle)]
     got = st.wait()
-    with _autograd_inside():
-        rows = got["rows"].detach().requires_grad_(True)
-        w = got["weights"].detach().requires_grad_(True)
-        leaves = [p.detach().requires_grad_(True) for p in params]
-        consumers = _ParameterConsumers(leaves)
-        if rows.shape[0]:
-            with consumers:
-                out = spec.run(dict(zip(spec.names, leaves)), rows, st.local_ids, w, st.local_counts)
-        else:
-            out = rows.new_zeros(rows.shape)
-        if out.shape != rows.shape:
-            raise ValueError(f"autopar: the experts of MoE layer {spec.layer} returned {tuple(out.shape)} for "
-                             f"{tuple(rows.shape)} received rows, expected {tuple(rows.shape)}")
-    st.rows, st.weights, st.params, st.out = rows, w, leaves, out
-    st.extra["consumers"] = consumers.hooked() if rows.shape[0] else None
+    if recompute:
+        with torch.no_grad():
+            out = _call(spec, st, params, got["rows"], got["weights"])
+        st.rows, st.weights, st.recompute = got["rows"], got["weights"], True
+    else:
+        out = _private_graph(spec, st, params, got["rows"], got["weights"])
     _all_to_all(st, "back", out.detach(), st.send, st.recv, _group(group) if ep > 1 else None)
     return torch.tensor(int(handle), dtype=torch.int64)
+
+
+def _call(spec, st, params, rows, w):
+    if rows.shape[0]:
+        out = spec.run(dict(zip(spec.names, params)), rows, st.local_ids, w, st.local_counts)
+    else:
+        out = rows.new_zeros(rows.shape)
+    if out.shape != rows.shape:
+        raise ValueError(f"autopar: the experts of MoE layer {spec.layer} returned {tuple(out.shape)} for "
+                         f"{tuple(rows.shape)} received rows, expected {tuple(rows.shape)}")
+    return out
+
+
+def _private_graph(spec, st, params, rows, w):
+    """The experts on the received rows under their own autograd graph, kept in ``st``."""
+    with _autograd_inside():
+        rows = rows.detach().requires_grad_(True)
+        w = w.detach().requires_grad_(True)
+        leaves = [p.detach().requires_grad_(True) for p in params]
+        consumers = _ParameterConsumers(leaves)
+        with consumers:
+            out = _call(spec, st, leaves, rows, w)
+    st.rows, st.weights, st.params, st.out = rows, w, leaves, out
+    st.extra["consumers"] = consumers.hooked() if rows.shape[0] else None
+    return out
 
 
 def _combine(x, ids, handle):
@@ -385,15 +417,17 @@ def _grad_send(grad_y, handle, ids, group, ep):
     """I, started: each assignment's output gradient (its token's) on its way to the expert's rank."""
     st = _STATE[int(handle)]
     k = ids.shape[1]
-    g_send = grad_y.index_select(0, torch.div(st.order, k, rounding_mode="floor")).to(st.out.dtype)
+    g_send = grad_y.index_select(0, torch.div(st.order, k, rounding_mode="floor")).to(st.rows.dtype)
     _all_to_all(st, "grad_rows", g_send, st.recv, st.send, _group(group) if ep > 1 else None)
     return torch.tensor(int(handle), dtype=torch.int64)
 
 
-def _grad_input(handle, group, ep, last):
+def _grad_input(handle, params, key, group, ep, last):
     """The received rows' and routing weights' gradients (and, in a fused backward, the
-    parameters'); their return started."""
+    parameters'); their return started. A recomputing dispatch first runs its experts again."""
     st = _STATE[int(handle)]
+    if st.recompute:
+        _private_graph(_REGISTRY[key], st, params, st.rows, st.weights)
     g_rows = st.wait()["grad_rows"]
     fuse = _FUSED[0] and not last and bool(st.params)
     with _autograd_inside():
@@ -404,6 +438,7 @@ def _grad_input(handle, group, ep, last):
                 st.extra["consumers"].active = False
             gx, gw, *gp = torch.autograd.grad(st.out, [st.rows, st.weights, *st.params], g_rows, allow_unused=True)
             st.extra["param_grads"] = gp
+            st.release()
         else:
             gx, gw = torch.autograd.grad(st.out, [st.rows, st.weights], g_rows, retain_graph=not last,
                                          allow_unused=True)
@@ -419,6 +454,8 @@ def _grad_combine(handle, grad_y, ids, weights, last):
     """The tokens' and routing weights' gradients: each token's rows summed."""
     st = _STATE[int(handle)] if not last else _STATE.pop(int(handle))
     got = st.wait()
+    if last:
+        st.release()
     n, k = ids.shape
     grad_x = grad_y.new_zeros(grad_y.shape).index_add_(0, torch.div(st.order, k, rounding_mode="floor"),
                                                        got["gx"].to(grad_y.dtype))
@@ -438,6 +475,7 @@ def _grad_weight(handle, params):
             grads = consumers.weight_grads(st.params)
         else:  # walk the private graph again from its output
             grads = torch.autograd.grad(st.out, st.params, st.grad_rows, allow_unused=True)
+    st.release()
     return [torch.zeros_like(p) if g is None else g.to(p.dtype) for g, p in zip(grads, params)]
 
 
@@ -533,8 +571,8 @@ _moe_dispatch_send.register_fake(_handle_fake)
 
 @torch.library.custom_op("autopar::moe_dispatch_experts", mutates_args=())
 def _moe_dispatch_experts(handle: torch.Tensor, params: list[torch.Tensor], key: int, group: str | None,
-                          ep: int) -> torch.Tensor:
-    return _experts(handle, params, key, group, ep)
+                          ep: int, recompute: bool = False) -> torch.Tensor:
+    return _experts(handle, params, key, group, ep, recompute)
 
 
 _moe_dispatch_experts.register_fake(_handle_fake)
@@ -561,9 +599,9 @@ _moe_dispatch_grad_send.register_fake(_handle_fake)
 
 
 @torch.library.custom_op("autopar::moe_dispatch_grad_input", mutates_args=())
-def _moe_dispatch_grad_input(handle: torch.Tensor, ids: torch.Tensor, key: int, group: str | None, ep: int,
-                             last: bool) -> torch.Tensor:
-    return _grad_input(handle, group, ep, last)
+def _moe_dispatch_grad_input(handle: torch.Tensor, ids: torch.Tensor, params: list[torch.Tensor], key: int,
+                             group: str | None, ep: int, last: bool) -> torch.Tensor:
+    return _grad_input(handle, params, key, group, ep, last)
 
 
 _moe_dispatch_grad_input.register_fake(_handle_fake)
@@ -605,7 +643,7 @@ def _backward(ctx, grad_y, _grad_handle):
     ops = torch.ops.autopar
     with fused_backward():  # eager autograd runs W right behind I (a traced graph ignores this: fake kernels)
         h = ops.moe_dispatch_grad_send(grad_y.contiguous(), handle, ids, ctx.group, ctx.ep)
-        h = ops.moe_dispatch_grad_input(h, ids, ctx.key, ctx.group, ctx.ep, not want_params)
+        h = ops.moe_dispatch_grad_input(h, ids, params, ctx.key, ctx.group, ctx.ep, not want_params)
         grad_x, grad_w, token = ops.moe_dispatch_grad_combine(h, grad_y, ids, weights, not want_params)
         grad_params = ops.moe_dispatch_grad_weight(token, ids, params, ctx.key) if want_params \
             else [None] * len(params)
@@ -649,6 +687,10 @@ class RoutedInfo:
     row_bytes: int  # bytes of one dispatched row (d elements in the compute dtype)
     saved_row_bytes: int  # bytes kept from F until W per received row (the row + the experts' activations)
     flops_per_row: int  # forward FLOPs of one row through its expert
+    # FLOPs of independent work the program runs while each of the chain's two all-to-alls is in
+    # flight (passes/moe_overlap.py; zeros where the chain was not spread, e.g. a forward graph)
+    overlap_f: tuple[int, int] = (0, 0)
+    overlap_i: tuple[int, int] = (0, 0)
 
 
 def routed_info(node: fx.Node) -> RoutedInfo | None:
@@ -659,7 +701,9 @@ def routed_info(node: fx.Node) -> RoutedInfo | None:
     spec = _REGISTRY[node.args[4]]
     item = x.element_size()
     rows = int(ids.numel())
-    return RoutedInfo(spec.layer, rows, int(x.shape[-1]) * item, spec.saved_row_elems * item, spec.flops_per_row)
+    windows = node.meta.get("autopar_moe_overlap", {})
+    return RoutedInfo(spec.layer, rows, int(x.shape[-1]) * item, spec.saved_row_elems * item, spec.flops_per_row,
+                      tuple(windows.get("F", (0, 0))), tuple(windows.get("I", (0, 0))))
 
 
 def dispatch_flops(target, args) -> int | None:
@@ -672,7 +716,7 @@ def dispatch_flops(target, args) -> int | None:
     if target in DISPATCH_OPS:
         ids, key = args[1], args[4]
     elif target is BACKWARD_OPS[1]:
-        ids, key = args[1], args[2]
+        ids, key = args[1], args[3]
     elif target is BACKWARD_OPS[3]:
         return int(args[1].numel()) * _REGISTRY[args[3]].flops_per_row * 3 // 2
     elif target in FORWARD_OPS + BACKWARD_OPS:

@@ -127,6 +127,9 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     # with recompute, a forward op that communicates or keeps state outside the graph (the MoE dispatch) is
     # never run again: its results are saved like a kept input, and the recomputation stops there
     kept = _never_recomputed(fwd_set) if recompute else set()
+    for n in kept:  # ... but its experts keep only their input rows, and I runs them again
+        if n.target is moe_dispatch.FORWARD_OPS[1]:
+            n.args = tuple(n.args[:5]) + (True,)
     gin_anc = _ancestors(gin_nodes, stop=kept)
     gpar_anc = _ancestors(gpar_nodes, stop=kept)
     f_nodes = fwd_set | kept  # (a kept op's result only the backward reads is taken in F)

@@ -112,6 +112,10 @@ def test_dropless_pipeline_matches_eager(schedule, recompute):
     assert grad_weight in ops["w"] and grad_weight not in ops["i"]
     assert grad_input in ops["i"] or grad_input in ops["w"]  # stage 0 has no input gradient: its I is empty
     assert torch.ops.autopar.moe_dispatch.default not in ops["i"] | ops["w"]  # never recomputed
+    # a recomputing stage's experts keep only their input rows (F) and run again in I
+    flags = [n.args[5] if len(n.args) > 5 else False for p in programs for n in p.f.gm.graph.nodes
+             if n.target is torch.ops.autopar.moe_dispatch_experts.default]
+    assert flags and all(flags) == bool(recompute) and any(flags) == bool(recompute)
     assert pm.metrics["moe_receive_ratio"] == pytest.approx(1.0)  # one rank: it receives every row
     assert pm.metrics["moe_max_receive_rows"] == 2 * 2 * 3  # microbatch of 2 x 3 tokens, top-2
 
