@@ -2,14 +2,33 @@
 
     python benchmarks/memory_model.py        # --layers 8 --d-model 128 --heads 4 --seq 64 --batch 16
     python benchmarks/memory_model.py --plans 1f1b:4,gpipe:8,1f1b:4:bf16=1
+    python benchmarks/memory_model.py --plans 1f1b:4:pp=1:dp=2:ep=2:zero=1      # the EP row alone
 
 Model: ``autopar.examples.gpt`` (seeded; fp32; AdamW). Plans: one per item of ``--plans``,
-``schedule:m[:pp=P:dp=D:zero=Z:bf16=1]`` (default pp=2): by default pp=2 with 1f1b at 4 and 8
+``schedule:m[:pp=P:dp=D:ep=E:zero=Z:bf16=1]`` (default pp=2): by default pp=2 with 1f1b at 4 and 8
 microbatches, gpipe, zb-h1, zbv and interleaved-1f1b at 8, and dp=2 (pp=1) with 4
 microbatches at ZeRO-0 and ZeRO-1; then the same model under bf16 mixed precision
 (``bf16=1``: ``autopar.MixedPrecision(param_dtype=torch.bfloat16)``, bf16 compute copies, fp32
 masters and gradient accumulators, the loss computed on fp32 logits) as pp=2 1f1b m=4 and
-zb-h1 m=8, and dp=2 m=4 at ZeRO-0, 1, 2 and 3.
+zb-h1 m=8, and dp=2 m=4 at ZeRO-0, 1, 2 and 3; then the EP row.
+
+EP row (``ep=E``, E > 1; by default dp=2 x ep=2, pp=1, ZeRO-1, 1f1b m=4): ep is carved out of
+dp (world 2: both ranks hold half the experts and see different tokens). The model is the
+smallest MoE of the same size flags: ``autopar.examples.llama`` with ``--layers`` blocks of
+``--d-model`` width whose feed-forward is a dropless ``autopar.nn.MoE(capacity_factor=None)``
+(``MOE_EXPERTS`` experts of hidden ``MOE_HIDDEN_MULT * d_model``, top ``MOE_TOP_K``), fp32,
+AdamW; the experts' parameters are 1/ep per rank and, at dp = ep, unsharded by ZeRO-1 (their
+expert-data-parallel group is one rank). The prediction is the planner's at the DEFAULT
+``moe_imbalance`` (``planner.estimate.DEFAULT_MOE_IMBALANCE``, 1.25): a number fixed before the
+run, as a user gets it, rather than the measured max/mean, which is only known afterwards. The
+row prints the measured ``pm.metrics["moe_receive_ratio"]`` (the largest receive of one rank in
+one dispatch over the step, against the mean) next to it: the prediction covers the measured
+peak only while that ratio stays under the bound (the planner applies the bound to every MoE
+layer of every microbatch in flight, the measured ratio is the single worst dispatch, so it
+covers it with room). Measured: as for every row, plus the dispatch op's own allocations (the
+received rows, the experts' activations under the op's private autograd graph, the rows'
+gradients): a dispatch mode is popped while the op it intercepted runs, so the probe's mode is
+re-entered inside the op's kernels (``_probe_inside_dispatch``), else they would be invisible.
 
 Predicted: the planner in this process. ``profile_model`` captures ONE microbatch (the smallest
 microbatch of the plans; the profile scales linearly to the others), ``Evaluator`` with the
@@ -63,11 +82,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 from autopar.runtime.spawn import run_ranks  # noqa: E402
 
 MAX_ERROR = 0.15
+MOE_EXPERTS, MOE_TOP_K, MOE_HIDDEN_MULT = 4, 2, 2  # the EP row's MoE (module docstring)
 MAX_UNDER = 0.05
 DEFAULT_PLANS = ("1f1b:4,1f1b:8,gpipe:8,zb-h1:8,zbv:8,interleaved-1f1b:8,"
                  "1f1b:4:pp=1:dp=2:zero=0,1f1b:4:pp=1:dp=2:zero=1,"
                  "1f1b:4:bf16=1,zb-h1:8:bf16=1,1f1b:4:pp=1:dp=2:zero=0:bf16=1,1f1b:4:pp=1:dp=2:zero=1:bf16=1,"
-                 "1f1b:4:pp=1:dp=2:zero=2:bf16=1,1f1b:4:pp=1:dp=2:zero=3:bf16=1")
+                 "1f1b:4:pp=1:dp=2:zero=2:bf16=1,1f1b:4:pp=1:dp=2:zero=3:bf16=1,"
+                 "1f1b:4:pp=1:dp=2:ep=2:zero=1")
 MiB = 2 ** 20
 
 
@@ -91,19 +112,22 @@ def model_kwargs(args) -> dict:
 
 
 def parse_plans(text: str, default_pp: int = 2) -> list[dict]:
-    """``schedule:m[:pp=..:dp=..:zero=..:bf16=1]`` items, comma-separated -> layout dicts."""
+    """``schedule:m[:pp=..:dp=..:ep=..:zero=..:bf16=1]`` items, comma-separated -> layout dicts."""
     out = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         parts = item.split(":")
         spec = {"schedule": parts[0], "m": int(parts[1]) if len(parts) > 1 else 8, "pp": default_pp, "dp": 1,
-                "zero": 0, "bf16": 0}
+                "ep": 1, "zero": 0, "bf16": 0}
         for kv in parts[2:]:
             k, v = kv.split("=")
             if k not in spec or k in ("schedule", "m"):
-                raise ValueError(f"plan item {item!r}: unknown key {k!r} (pp, dp, zero, bf16)")
+                raise ValueError(f"plan item {item!r}: unknown key {k!r} (pp, dp, ep, zero, bf16)")
             spec[k] = int(v)
+        if spec["ep"] > 1 and (spec["dp"] % spec["ep"] or spec["bf16"]):
+            raise ValueError(f"plan item {item!r}: ep={spec['ep']} must divide dp={spec['dp']} (ep is carved out "
+                             "of dp), and the EP row runs fp32 (no bf16=1)")
         out.append(spec)
     return out
 
@@ -111,7 +135,26 @@ def parse_plans(text: str, default_pp: int = 2) -> list[dict]:
 def plan_label(spec: dict) -> str:
     z = f" zero={spec['zero']}" if spec["dp"] > 1 else ""
     mp = " bf16" if spec.get("bf16") else ""
-    return f"pp={spec['pp']} dp={spec['dp']} {spec['schedule']} m={spec['m']}{z}{mp}"
+    ep = f" ep={spec['ep']}" if spec.get("ep", 1) > 1 else ""
+    return f"pp={spec['pp']} dp={spec['dp']}{ep} {spec['schedule']} m={spec['m']}{z}{mp}"
+
+
+def make_moe(mk: dict):
+    """The EP row's model (module docstring) at the size flags ``mk`` (``model_kwargs``):
+    ``(model, (tokens,), target, llama_loss)``."""
+    from autopar.examples.llama import LlamaConfig, make_llama
+
+    d = mk["d_model"]
+    cfg = LlamaConfig(vocab_size=mk["vocab_size"], d_model=d, n_layers=mk["n_layer"], n_heads=mk["n_head"],
+                      n_kv_heads=mk["n_head"], ffn_hidden=4 * d, seq_len=mk["seq_len"], n_experts=MOE_EXPERTS,
+                      top_k=MOE_TOP_K, expert_hidden=MOE_HIDDEN_MULT * d, capacity_factor=None)
+    return make_llama(cfg, batch_size=mk["batch_size"], seed=mk["seed"])
+
+
+def make_model(mk: dict, moe: bool):
+    from autopar.examples.gpt import make_gpt
+
+    return make_moe(mk) if moe else make_gpt(**mk)
 
 
 def gpt_loss32(logits, target):
@@ -142,7 +185,6 @@ def profile_and_price(mk: dict, specs: list[dict], say=print, profile_batch: int
     overhead it should reach."""
     import torch
 
-    from autopar.examples.gpt import make_gpt
     from autopar.planner.devices import get_profile
     from autopar.planner.estimate import Evaluator, Layout
     from autopar.planner.profile import profile_model
@@ -154,12 +196,17 @@ def profile_and_price(mk: dict, specs: list[dict], say=print, profile_batch: int
         if G % (s["dp"] * s["m"]):
             raise ValueError(f"global batch {G} is not divisible by dp*m for {plan_label(s)}")
     b0 = profile_batch or max(G // (s["dp"] * s["m"]) for s in specs)
-    model, (idx,), target, loss_fn = make_gpt(**mk)
     device = get_profile("cpu")
     evaluators = {}
-    for mp in sorted({bool(s.get("bf16")) for s in specs}):
+    for mp, moe in sorted({(bool(s.get("bf16")), s.get("ep", 1) > 1) for s in specs}):
+        model, (idx,), target, loss_fn = make_model(mk, moe)
         t0 = time.perf_counter()
-        if mp and bf16_profile == "copy":
+        if moe:  # the EP row's dropless MoE: the planner prices its dispatch ops (planner.profile._routed_of)
+            prof = profile_model(model, (idx[:b0],), target[:b0], loss_fn, name="moe",
+                                 expert_prefixes=(".experts.",), n_experts=MOE_EXPERTS)
+            what = (f"llama with dropless MoE ({MOE_EXPERTS} experts, top {MOE_TOP_K}, hidden "
+                    f"{MOE_HIDDEN_MULT * mk['d_model']})")
+        elif mp and bf16_profile == "copy":
             import copy
 
             prof = profile_model(copy.deepcopy(model).to(torch.bfloat16), (idx[:b0],), target[:b0], gpt_loss32,
@@ -180,16 +227,17 @@ def profile_and_price(mk: dict, specs: list[dict], say=print, profile_batch: int
             say(f"NOTE: this profile counts {prof.total_params - n_model} parameter elements more than the model "
                 f"has ({n_model}): the capture it priced does not share the model's tied {', '.join(tied)} "
                 f"(profile.shared_params = {prof.shared_params}), so a rank holding both users counts it twice")
-        evaluators[mp] = Evaluator(prof, device, float(device.memory_bytes), G)
+        # the default moe_imbalance (DEFAULT_MOE_IMBALANCE) for the EP row: see the module docstring
+        evaluators[mp, moe] = Evaluator(prof, device, float(device.memory_bytes), G)
     out = []
     for s in specs:
-        ev = evaluators[bool(s.get("bf16"))]
+        ev = evaluators[bool(s.get("bf16")), s.get("ep", 1) > 1]
         v = 1 if s["pp"] == 1 else default_stages_per_rank(s["schedule"])
-        lay = Layout(pp=s["pp"], dp=s["dp"], cp=1, ep=1, schedule=s["schedule"], v=v, m=s["m"],
+        lay = Layout(pp=s["pp"], dp=s["dp"], cp=1, ep=s.get("ep", 1), schedule=s["schedule"], v=v, m=s["m"],
                      b=G // (s["dp"] * s["m"]), zero=s["zero"])
         cand = price(ev, lay)
         out.append((s, cand, to_plan(ev, cand)))
-    ev = evaluators.get(False) or evaluators[True]
+    ev = next(evaluators[k] for k in sorted(evaluators))  # the fp32 gpt's when there is one
     return out, ev, ev.profile
 
 
@@ -276,6 +324,43 @@ def _categorized_bytes(state: dict) -> dict:
     return out
 
 
+_DISPATCH_KERNELS = ("_forward", "_send", "_experts", "_combine", "_grad_send", "_grad_input", "_grad_combine",
+                     "_grad_weight")  # passes/moe_dispatch.py: the Python bodies of its custom ops' kernels
+
+
+class _probe_inside_dispatch:
+    """While active, every kernel body of the dropless MoE dispatch ops runs under ``probe``'s
+    dispatch mode, so the storages the ops create inside (their state between F, I and W) are
+    counted and freed like any other (module docstring)."""
+
+    def __init__(self, probe):
+        self.probe, self.saved = probe, {}
+
+    def __enter__(self):
+        from autopar.passes import moe_dispatch
+        from autopar.runtime.memory_probe import _Mode
+
+        def wrap(fn):
+            def inner(*args, **kwargs):
+                with _Mode(self.probe):
+                    return fn(*args, **kwargs)
+            return inner
+
+        self.saved = {n: getattr(moe_dispatch, n) for n in _DISPATCH_KERNELS if hasattr(moe_dispatch, n)}
+        if not self.saved:
+            raise RuntimeError(f"memory_model: none of {_DISPATCH_KERNELS} in passes/moe_dispatch.py: update "
+                               "_DISPATCH_KERNELS to its kernel bodies")
+        for n, fn in self.saved.items():
+            setattr(moe_dispatch, n, wrap(fn))
+        return self
+
+    def __exit__(self, *exc):
+        from autopar.passes import moe_dispatch
+
+        for n, fn in self.saved.items():
+            setattr(moe_dispatch, n, fn)
+
+
 def _rank_main(rank, world, cfg):
     import functools
     import warnings
@@ -283,7 +368,6 @@ def _rank_main(rank, world, cfg):
     import torch
 
     import autopar
-    from autopar.examples.gpt import make_gpt
     from autopar.runtime.memory_probe import PeakTensorMemory, storage_bytes
 
     warnings.filterwarnings("ignore", category=FutureWarning)  # gloo's *_tensor collectives (ZeRO-1)
@@ -291,7 +375,7 @@ def _rank_main(rank, world, cfg):
     mk = cfg["model_kwargs"]
     results = []
     for plan, mp in zip(cfg["plans"], cfg["bf16"]):
-        model, inputs, target, loss_fn = make_gpt(**mk)
+        model, inputs, target, loss_fn = make_model(mk, plan.ep > 1)
         kw = {"mixed_precision": autopar.MixedPrecision(param_dtype=torch.bfloat16)} if mp else {}
         pm = autopar.parallelize(model, inputs, loss_fn=gpt_loss32 if mp else loss_fn,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-4),
@@ -307,11 +391,12 @@ def _rank_main(rank, world, cfg):
         # the baseline list is built inline: the probe drops it on entry, so no reference here
         # keeps step 1's gradients alive after the step sets them to None
         probe = PeakTensorMemory([t for ts in state_tensors(pm).values() for t in ts])
-        with probe:
+        with probe, _probe_inside_dispatch(probe):
             pm.step(inputs, target)
         results.append({"peak": probe.peak_bytes, "baseline": probe.baseline_bytes, "base": base,
                         "unused_model_copy": unused, "stages": list(pm.built.executor.my_stages),
-                        "storages": probe.counted_storages})
+                        "storages": probe.counted_storages,
+                        "moe_receive_ratio": pm.metrics.get("moe_receive_ratio")})
         del pm, model
         gc.collect()
     return results
@@ -323,7 +408,7 @@ def _rank_main(rank, world, cfg):
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
-    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated schedule:m[:pp=P:dp=D:zero=Z]")
+    ap.add_argument("--plans", default=DEFAULT_PLANS, help="comma-separated schedule:m[:pp=P:dp=D:ep=E:zero=Z]")
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds before the parent kills the ranks")
     ap.add_argument("--bf16-profile", choices=("planner", "copy"), default="planner",
                     help="how bf16 plans are profiled: as the planner does (param_dtype=bf16, fake tensors), or a "
@@ -349,6 +434,8 @@ def main(argv=None) -> int:
           "this rank's parameters + gradients + AdamW states (+ fp32 masters) at entry, plus every storage an ATen op "
           "creates, minus each one freed; allocator slack, gloo buffers and the unused copy of the other rank's "
           "weights are not counted)", flush=True)
+    from autopar.planner.estimate import DEFAULT_MOE_IMBALANCE
+
     priced, _ev, _prof = profile_and_price(mk, specs, bf16_profile=args.bf16_profile)
     t0 = time.perf_counter()
     ranks = run_ranks(_rank_main, 2, dict(model_kwargs=mk, plans=[p for _s, _c, p in priced],
@@ -359,6 +446,11 @@ def main(argv=None) -> int:
         est = cand.estimate
         print(f"\n[{plan_label(spec)}] stage cuts {list(plan.stage_cuts)}, recompute {list(plan.recompute) or 'none'}, "
               f"predicted step {est.step_time * 1e3:.1f} ms")
+        if spec["ep"] > 1:
+            ratios = [ranks[r][k]["moe_receive_ratio"] for r in range(2)]
+            print(f"  llama with dropless MoE ({MOE_EXPERTS} experts, top {MOE_TOP_K}); predicted at moe_imbalance "
+                  f"{DEFAULT_MOE_IMBALANCE:g} (the default); measured max/mean receive of one dispatch (pm.metrics "
+                  f"moe_receive_ratio): rank 0 {ratios[0]:.3f}, rank 1 {ratios[1]:.3f}")
         print(f"  {'rank':>4}  {'predicted MiB':>13}  {'measured MiB':>12}  {'error':>7}  "
               f"{'meas. baseline':>14}  {'meas. above':>11}  {'pred. static':>12}  {'pred. above':>11}")
         for r in range(2):

@@ -18,7 +18,9 @@ captures as one static graph (static shapes, no data-dependent Python control fl
   ``wkv_b``) plus one shared decoupled RoPE key; per head ``qk_nope_head_dim +
   qk_rope_head_dim`` for q/k and ``v_head_dim`` for v (padded to the q/k width for SDPA so it runs as a flash kernel);
 * feed-forward: SwiGLU of width ``ffn_hidden``, or, when ``n_experts > 0`` (from layer
-  ``n_dense_layers`` on), the capacity-based MoE of ``autopar.nn``.
+  ``n_dense_layers`` on), the MoE of ``autopar.nn``: capacity-based (``capacity_factor`` slots
+  per expert relative to balanced routing), or dropless with ``capacity_factor=None`` (the
+  experts are one ``autopar::moe_dispatch`` op computing every routed assignment).
 
 ``Llama.forward(tokens[B, T] int64)`` returns the logits ``[B, T, vocab]`` for a dense model and
 ``(logits, aux)`` for an MoE model, ``aux`` being the sum of the layers' (already weighted)
@@ -62,7 +64,7 @@ class LlamaConfig:
     expert_hidden: int = 0
     n_shared_experts: int = 0
     n_dense_layers: int = 0
-    capacity_factor: float = 1.25
+    capacity_factor: float | None = 1.25  # None: dropless MoE
     aux_loss_weight: float = 0.01
     score_func: str = "softmax"
     norm_topk_prob: bool = True

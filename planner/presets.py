@@ -16,12 +16,16 @@ By default (``full_depth=False``) the built model holds ONE block per distinct b
 
 With ``full_depth=True`` every layer is built and maps to 1.
 
-The MoE presets are captured with ``capacity_factor=1.0``: the expert buffers hold exactly the
-balanced share of the ``tokens * top_k`` assignments, so the expert FLOPs and saved rows equal
-the mean of a dropless dispatch (``top_k`` dense FFNs of width ``expert_hidden`` per token),
-and ``PresetModel.moe`` makes the planner price them as dropless: token-proportional
-all-to-alls and the worst rank's ``--moe-imbalance`` share of the rows (planner/estimate.py).
-Pass ``capacity_factor=`` for a static-capacity MoE (drops overflow; priced by its buffers).
+The MoE presets are built dropless (``autopar.nn.MoE(capacity_factor=None)``), as DeepSeek-V3
+and GLM-5 train: each MoE block's experts are one ``autopar::moe_dispatch`` op in the captured
+graph (a fake kernel, no communication at capture) that computes every (token, choice)
+assignment, ``top_k`` SwiGLU experts of width ``expert_hidden`` per token. The planner prices it
+from that op (``planner.profile._routed_of``, the same path as a user's dropless model): the
+token-proportional all-to-alls of the ``tokens * top_k`` routed rows, the experts' FLOPs on
+them, and the rows' saved bytes from F until W, at the worst rank's ``--moe-imbalance`` share
+(planner/estimate.py). ``PresetModel.moe`` describes that config; the profile checks the capture
+against it. Pass ``capacity_factor=`` for a static-capacity MoE (drops overflow; priced by its
+``[E, C, d]`` expert buffers; ``moe`` is then None).
 
 Not modelled: DeepSeek-V3's multi-token-prediction module (the 671B figure excludes it; the
 14B MTP weights on the hub are extra) and YaRN context extension (RoPE tables are plain).
@@ -42,7 +46,7 @@ __all__ = ["PresetModel", "names", "build_preset", "parameter_count", "published
            "active_parameter_count", "published_active_parameter_count"]
 
 DTYPE = torch.bfloat16
-PRESET_CAPACITY_FACTOR = 1.0
+PRESET_CAPACITY_FACTOR = None  # dropless (the module docstring)
 
 
 @dataclass(frozen=True)
@@ -60,9 +64,9 @@ class PresetModel:
     n_experts: int = 0
     top_k: int = 0
     source: str = ""
-    # the dropless MoE config the planner prices the dispatch with (planner.profile._routed):
-    # n_experts, top_k, expert_hidden, d_model, dtype; None for dense presets and for a
-    # static-capacity build (``capacity_factor=``)
+    # the dropless MoE config (n_experts, top_k, expert_hidden, d_model, dtype) that
+    # ``profile_model(moe=...)`` checks the capture's dispatch ops against (it prices from the
+    # ops); None for dense presets and for a static-capacity build (``capacity_factor=``)
     moe: dict | None = None
 
 
@@ -196,11 +200,15 @@ def build_preset(name: str, seq_len: int, microbatch_size: int = 1, full_depth: 
                  capacity_factor: float | None = None) -> PresetModel:
     """Build preset ``name`` on the meta device in bf16 with one ``[microbatch_size, seq_len]`` microbatch.
 
-    ``capacity_factor`` overrides the MoE presets' 1.0 (ignored for dense presets).
+    ``capacity_factor``: None (default) builds the MoE presets dropless; a number builds them
+    with that static capacity (``autopar.nn.expert_capacity``). Ignored for dense presets.
     """
     spec = _spec(name)
     if seq_len < 1 or microbatch_size < 1:
         raise ValueError(f"seq_len and microbatch_size must be positive, got {seq_len}, {microbatch_size}")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ValueError(f"capacity_factor must be positive (static capacity) or None (dropless), got "
+                         f"{capacity_factor!r}")
     cfg = spec.config
     if spec.kind == "gpt":
         cfg = replace(cfg, seq_len=max(cfg.seq_len, seq_len))  # learned positions: keep the published table
@@ -233,6 +241,11 @@ def build_preset(name: str, seq_len: int, microbatch_size: int = 1, full_depth: 
         source=spec.source, moe=moe)
 
 
+# parameter counts do not depend on the capacity: the counts build the static form, which
+# skips the dropless registration's per-block probe (about 1 s per 256-expert block)
+_COUNTING = 1.0
+
+
 def published_active_parameter_count(name: str) -> float:
     """The activated (per-token) parameter count the source states (0 for dense presets)."""
     return _spec(name).published_active
@@ -244,7 +257,7 @@ def active_parameter_count(name: str) -> int:
     experts and the input embedding table (a lookup), plus top_k / n_experts of the routed
     experts (GLM-5's 40B and DeepSeek-V3's 37B count this way: 40.1B and 36.6B here)."""
     spec = _spec(name)
-    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True)
+    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True, capacity_factor=_COUNTING)
     total = experts = 0
     embedding = preset.model.get_submodule("tok_embeddings").weight
     for fqn, p in preset.model.named_parameters():
@@ -261,5 +274,5 @@ def active_parameter_count(name: str) -> int:
 def parameter_count(name: str) -> int:
     """Total parameters of the full-depth model (built on meta at the published context; tied weights once)."""
     spec = _spec(name)
-    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True)
+    preset = build_preset(name, seq_len=spec.config.seq_len, full_depth=True, capacity_factor=_COUNTING)
     return sum(p.numel() for p in preset.model.parameters())

@@ -26,7 +26,12 @@ microbatch of b samples costs b/batch0 times the captured one):
   stage's gradient outputs separately);
 * the boundary tensors (what a stage receives and sends), parameter counts and bytes,
   expert parameters (split by EP), attention bytes (moved by Ulysses CP all-to-alls) and the
-  MoE dispatch bytes (moved by EP all-to-alls).
+  MoE dispatch bytes (moved by EP all-to-alls): a static-capacity MoE's expert buffers, or a
+  dropless MoE's routed rows read off its ``autopar::moe_dispatch`` ops (``RoutedInfo``).
+
+MoE models: a Hugging Face experts module (or one of another form that expert parallelism
+shards) is captured as the dropless dispatch op EP runs (``dropless_capture``, at ep = 1), so it
+is priced like ``autopar.nn.MoE(capacity_factor=None)`` and the presets' MoE: from the op.
 
 Models built on the meta device are captured on fake CPU tensors: no memory, and SDPA lowers
 to the flash kernel (saves q, k, v, out, logsumexp), as it does on GPUs, rather than to the
@@ -34,6 +39,7 @@ math path that would keep the T x T scores.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import operator
@@ -103,10 +109,49 @@ class Program:
         return hit
 
 
+def _float_val(node: fx.Node):
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
+
+
+def _dispatch_bytes_and_dtype(n: fx.Node, flops: float) -> tuple[float, str]:
+    """A dropless MoE dispatch op's (``moe_dispatch.is_dispatch_node``) memory traffic and
+    compute dtype. Its parameter list is an argument of several ops of the chain (for autograd
+    and the private graph), but the experts' weights are read once per program, by the op that
+    computes with them (the one carrying FLOPs: the forward's GEMMs, W's gradient GEMMs, whose
+    outputs are the gradients); the other ops move rows and handles (scalar int64 results), so
+    the dtype is the rows': the first floating value upstream."""
+    lists = {id(a) for x in n.args if isinstance(x, (list, tuple)) for a in x if isinstance(a, fx.Node)}
+    moved = float(n.meta.get("autopar_bytes", 0))
+    moved += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes if id(a) not in lists or flops)
+    seen, todo = set(), [n]
+    while todo:
+        m = todo.pop(0)
+        val = _float_val(m)
+        if val is not None:
+            return moved, str(val.dtype).replace("torch.", "")
+        for a in m.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return moved, "float32"
+
+
 def _program(gm: fx.GraphModule) -> Program:
+    from autopar.passes.moe_dispatch import is_dispatch_node
+
     flops, moved, dtypes, views = [], [], [], []
     for n in gm.graph.nodes:
         if n.op != "call_function":
+            continue
+        if is_dispatch_node(n):
+            f = float(n.meta.get("autopar_flops", 0))
+            b, dt = _dispatch_bytes_and_dtype(n, f)
+            flops.append(f)
+            moved.append(b)
+            dtypes.append(dt)
+            views.append(False)
             continue
         out = n.meta.get("autopar_bytes", 0)
         ins = sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes)
@@ -138,7 +183,7 @@ class UnitKind:
     param_bytes: int
     expert_params: int        # of which expert weights (sharded by EP)
     attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume)
-    dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume)
+    dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume; dropless: the mean routed rows)
     work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
     small_params: int = 0     # elements of non-expert parameters with < 2 dims (norms, biases: ZeRO-3's resident group)
     # the unit's token-proportional (dropless) MoE dispatch, per captured microbatch; None: no
@@ -198,34 +243,117 @@ class UnitKind:
 
 @dataclass(frozen=True)
 class RoutedInfo:
-    """A dropless MoE block's routed rows (the fields of
-    ``autopar.passes.moe_dispatch.routed_info``), per captured microbatch, summed over the
-    unit's MoE blocks: ``rows`` the mean rows one rank dispatches (N tokens x top_k),
-    ``row_bytes`` one dispatched row, ``saved_row_bytes`` what one received row keeps from F
-    until W (the row and the experts' saved activations), ``flops_per_row`` the experts'
-    forward FLOPs per row, ``dtype`` the compute dtype."""
+    """A unit's token-proportional (dropless) MoE dispatch, per captured microbatch, read off
+    its ``autopar::moe_dispatch`` ops (``autopar.passes.moe_dispatch.routed_info``: one per MoE
+    block) and summed over them: ``rows`` the mean rows one rank dispatches (N tokens x top_k
+    per block), ``row_bytes`` one dispatched row, ``saved_row_bytes`` what one received row
+    keeps from F until W (the row and the experts' saved activations), ``flops_per_row`` the
+    experts' forward FLOPs per row (rows-weighted means over the unit's blocks, so ``rows x``
+    each of them is the unit's total), ``dtype`` the compute dtype of the rows, ``overlap_f`` /
+    ``overlap_i`` what the all-to-alls can hide behind."""
 
     rows: float
     row_bytes: float
     saved_row_bytes: float
     flops_per_row: float
     dtype: str = "bfloat16"
+    # FLOPs of independent work (a shared expert, its input gradients) the F / I programs run
+    # while each of a chain's two all-to-alls is in flight (passes/moe_overlap.py), summed
+    overlap_f: tuple[float, float] = (0.0, 0.0)
+    overlap_i: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def saved_bytes(self) -> float:
+        """What the mean rank keeps from F until W (received rows and experts' activations)."""
+        return self.rows * self.saved_row_bytes
 
 
-def _routed(moe: dict | None, tokens: int) -> RoutedInfo | None:
-    """The routed-row quantities of one MoE block on ``tokens`` tokens, from the model's MoE
-    config ``moe`` (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``, ``dtype``; None:
-    not a dropless MoE). SwiGLU experts: a row is d elements; W keeps the received row and the
-    gate, up and activation product (3h) of every received row; forward 3 GEMMs, 6dh FLOPs.
-    Once ``autopar.passes.moe_dispatch.routed_info(node)`` reads them off the captured
-    graph, this is the one place to call it instead."""
-    if not moe:
+def _routed_of(gm: fx.GraphModule) -> RoutedInfo | None:
+    """The routed rows of every dropless MoE dispatch op in ``gm`` (a unit's F program),
+    summed (None: no dispatch op: a dense unit, or a static-capacity MoE, priced by its expert
+    buffers). The one source for presets and users' models alike: the op's registration
+    measured the experts' own code per row (``moe_dispatch.register_experts``)."""
+    from autopar.passes.moe_dispatch import routed_info
+
+    rows = row_b = saved_b = flops = 0.0
+    hide_f, hide_i = [0.0, 0.0], [0.0, 0.0]
+    dtype = None
+    for n in gm.graph.nodes:
+        info = routed_info(n)
+        if info is None:
+            continue
+        for j in range(2):
+            hide_f[j] += info.overlap_f[j]
+            hide_i[j] += info.overlap_i[j]
+        rows += info.rows
+        row_b += info.rows * info.row_bytes
+        saved_b += info.rows * info.saved_row_bytes
+        flops += info.rows * info.flops_per_row
+        dtype = dtype or str(n.args[0].meta["val"].dtype).replace("torch.", "")
+    if dtype is None:
         return None
-    d, h, k = int(moe["d_model"]), int(moe["expert_hidden"]), int(moe["top_k"])
-    dt = moe.get("dtype", torch.bfloat16)
-    item = torch.empty((), dtype=dt).element_size()
-    return RoutedInfo(rows=float(tokens * k), row_bytes=float(d * item), saved_row_bytes=float((d + 3 * h) * item),
-                      flops_per_row=float(6 * d * h), dtype=str(dt).replace("torch.", ""))
+    if not rows:
+        return RoutedInfo(0.0, 0.0, 0.0, 0.0, dtype)
+    return RoutedInfo(rows=rows, row_bytes=row_b / rows, saved_row_bytes=saved_b / rows, flops_per_row=flops / rows,
+                      dtype=dtype, overlap_f=tuple(hide_f), overlap_i=tuple(hide_i))
+
+
+_EP_ATTRS = ("ep", "ep_rank", "ep_group", "ep_experts", "ep_local", "_autopar_dispatch_key")
+
+
+@contextlib.contextmanager
+def dropless_capture(model: torch.nn.Module):
+    """While active, every experts module of ``model`` that expert parallelism shards dropless
+    (a Hugging Face experts module, or one of another form keeping the same contract:
+    passes/hf_moe.py) runs as its expert-parallel form at ep = 1: one ``autopar::moe_dispatch``
+    op over all its experts, with no group (no communication), the module's own code on the
+    routed rows. So a user's MoE model is captured with the dispatch op the runtime runs under
+    EP and is priced from it (``_routed_of``) exactly as the presets and ``autopar.nn.MoE(
+    capacity_factor=None)`` are. The module's class and attributes are restored on exit (its
+    dispatch registration stays: the key is read by the captured graph). At ep = 1 the runtime
+    runs the module's own implementation instead (grouped_mm: the same rows and FLOPs; W's
+    re-walk of the op is priced on top, planner/estimate.py)."""
+    from autopar.passes import expert_parallel, hf_moe
+
+    _ours, found, _refused = expert_parallel._scan(model)
+    undo = []
+    try:
+        for name, _prefix, experts in found:
+            if isinstance(experts, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel)):
+                continue  # already rewritten (EP > 1): it holds the dispatch op
+            n = hf_moe.expert_count(experts)
+            before = (experts.__class__, {a: experts.__dict__[a] for a in _EP_ATTRS if a in experts.__dict__})
+            undo.append((experts, before))
+            if hf_moe.is_hf_experts(experts):
+                experts.__class__ = hf_moe._ep_class(type(experts))
+            else:
+                experts.__class__ = hf_moe._generic_class(type(experts))
+                experts.ep_local = n
+            experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = 1, 0, None, n
+            hf_moe._register(experts, model.get_submodule(name), name or "<root>", n, n)
+        yield
+    finally:
+        for experts, (cls, attrs) in reversed(undo):
+            experts.__class__ = cls
+            for a in _EP_ATTRS:
+                experts.__dict__.pop(a, None)
+            experts.__dict__.update(attrs)
+
+
+def _check_moe(moe: dict, kinds: list[UnitKind], tokens: int) -> None:
+    """``moe`` (a preset's dropless MoE config) against what the capture holds: every unit
+    with expert parameters has dispatch ops routing ``tokens x top_k`` rows per MoE block."""
+    k = int(moe["top_k"])
+    for kind in kinds:
+        if not kind.expert_params:
+            continue
+        if kind.routed is None:
+            raise ValueError(f"autopar: profile_model(moe={moe}) expects dropless MoE blocks, but unit {kind.kind} "
+                             "holds expert parameters and no autopar::moe_dispatch op: build its MoE with "
+                             "autopar.nn.MoE(capacity_factor=None), or pass moe=None for a static-capacity MoE")
+        if kind.routed.rows % (tokens * k):
+            raise ValueError(f"autopar: unit {kind.kind} routes {kind.routed.rows:g} rows per microbatch, not a "
+                             f"multiple of tokens x top_k = {tokens} x {k}: moe={moe} does not describe this model")
 
 
 @dataclass(frozen=True)
@@ -454,7 +582,8 @@ class _UnitTimer:
 
             ins, tgt = tuple(resize(x) for x in inputs), resize(target)
             try:
-                cap = capture(model, ins, tgt, loss_fn, input_names)
+                with dropless_capture(model):
+                    cap = capture(model, ins, tgt, loss_fn, input_names)
                 _cuts, labels1, stages = _units_of(cap)
             except Exception as e:  # noqa: BLE001 - the single-size measurement still stands
                 log.info("autopar: second capture for unit timing failed (%s); timing one microbatch size", e)
@@ -644,8 +773,14 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
 
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
     stands for (presets are built with one block per kind); blocks not named stand for one.
-    ``moe``: the config of the model's dropless MoE blocks (``_routed``); every unit holding
-    expert parameters is then priced with the token-proportional dispatch.
+    Units holding dropless MoE blocks (``autopar::moe_dispatch`` ops: ``autopar.nn.MoE(
+    capacity_factor=None)``, the presets' MoE) are priced from those ops (``_routed_of``): their
+    routed rows set the all-to-all volume and the imbalance terms, and the rows' saved bytes
+    (the op's dynamic state, which no saved graph value holds) are added to what the unit keeps
+    from F to I and W (``saved_bytes``; ``saved_after_i`` also holds the rows' output gradients
+    that I leaves for W), so the estimate holds them per microbatch in flight. ``moe``: a
+    preset's dropless MoE config (``PresetModel.moe``), checked against the capture
+    (``_check_moe``); None: no check.
     """
     from autopar.passes import keys
     from autopar.passes.capture import capture
@@ -660,9 +795,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     if seq_len is None and inputs and isinstance(inputs[0], torch.Tensor) and inputs[0].dim() >= 2:
         seq_len = int(inputs[0].shape[1])
     t0 = time.perf_counter()
-    fmodel, finputs, ftarget = _fakeify(model, inputs, target, param_dtype)
     say(f"capturing {name} ...")
-    captured = capture(fmodel, finputs, ftarget, loss_fn, input_names)
+    with dropless_capture(model):  # a user's experts modules as the dispatch op EP runs (``dropless_capture``)
+        fmodel, finputs, ftarget = _fakeify(model, inputs, target, param_dtype)
+        captured = capture(fmodel, finputs, ftarget, loss_fn, input_names)
     capture_s = time.perf_counter() - t0
     say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
 
@@ -700,11 +836,19 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         if isinstance(sp, StageProgram):
             kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
                                     measure=timer.add(sp, st) if real else None)
-            if moe and kinds[sig].expert_params:
-                kinds[sig] = replace(kinds[sig], routed=_routed(moe, batch0 * (seq_len or 1)))
+            routed = _routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
+            if routed is not None:
+                k = kinds[sig]
+                # after I the op also keeps the received rows' output gradients for W (row_bytes a row)
+                kinds[sig] = replace(k, routed=routed, dispatch_bytes=routed.rows * routed.row_bytes,
+                                     saved_bytes=k.saved_bytes + routed.saved_bytes,
+                                     saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
+                                                                                   + routed.row_bytes))
         unit_kinds.append(kinds[sig])
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
+    if moe:
+        _check_moe(moe, list(kinds.values()), batch0 * (seq_len or 1))
 
     repeats = dict(layer_repeats or {})
     units: list[Unit] = []

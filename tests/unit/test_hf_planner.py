@@ -20,3 +20,71 @@ def test_planner_considers_the_axis(name, axis, caplog):
     lines = [r.getMessage() for r in caplog.records if wanted in r.getMessage()]
     assert lines, [r.getMessage() for r in caplog.records][-10:]
     assert plan.world_size == 4
+
+
+def test_user_dropless_moe_priced_from_its_dispatch_ops():
+    """A user's model with dropless ``autopar.nn.MoE`` blocks (real CPU tensors, as
+    ``parallelize`` profiles it) goes the presets' path: each MoE unit's routed rows are read off
+    its ``autopar::moe_dispatch`` op (N tokens x top_k, hand-derived), and the EP all-to-alls and
+    the worst rank's memory are priced from them."""
+    import torch
+
+    from autopar.examples.llama import LlamaConfig, make_llama
+    from autopar.planner.comm import all_to_all_time
+    from autopar.planner.devices import get_profile
+    from autopar.planner.estimate import Evaluator, Layout
+    from autopar.planner.profile import profile_model
+
+    batch, seq, d, h, k = 4, 16, 32, 48, 2
+    cfg = LlamaConfig(vocab_size=64, d_model=d, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=64, seq_len=seq,
+                      n_experts=4, top_k=k, expert_hidden=h, capacity_factor=None)
+    model, inputs, target, loss_fn = make_llama(cfg, batch_size=batch)
+    prof = profile_model(model, inputs, target, loss_fn, expert_prefixes=(".experts.",), n_experts=4)
+    ops = [n for n in prof.captured.gm.graph.nodes if n.target is torch.ops.autopar.moe_dispatch.default]
+    assert len(ops) == 2
+    moes = [u.kind for u in prof.units if u.kind.expert_params]
+    assert len(moes) == 2 and all(u.kind.routed is None for u in prof.units if not u.kind.expert_params)
+    r = moes[0].routed
+    assert (r.rows, r.row_bytes, r.flops_per_row, r.dtype) == (batch * seq * k, d * 4, 6 * d * h, "float32")
+    dev = get_profile("h100")
+    ev = Evaluator(prof, dev, 80e9, 8)
+    one, two = (Layout(1, 2, 1, ep, "1f1b", 1, 1, batch, 0) for ep in (1, 2))
+    f1, i1, w1 = ev.unit_times(moes[0], one)
+    f2, i2, w2 = ev.unit_times(moes[0], two)
+    imb = ev.moe_imbalance
+    a2a = 2 * all_to_all_time(r.rows * imb * r.row_bytes, 2, ev.links(two)["ep"])
+    extra = (imb - 1) * r.rows * r.flops_per_row / dev.flops_rate("float32")
+    assert f2 - f1 == pytest.approx(a2a + extra, rel=1e-9) and w2 - w1 == pytest.approx(extra, rel=1e-9)
+    # the routed state is held from F to W: the mean in the unit's saved bytes, the worst rank's above it
+    (a1, b1), (a2, b2) = ev.unit_saved(moes[0], one), ev.unit_saved(moes[0], two)
+    assert a1 >= r.rows * r.saved_row_bytes and b1 >= r.rows * (r.saved_row_bytes + r.row_bytes)
+    assert a2 - a1 == pytest.approx((imb - 1) * r.rows * r.saved_row_bytes, rel=1e-9) and b2 - b1 == a2 - a1
+
+
+def test_hf_moe_captured_through_the_dispatch_op():
+    """The planner captures a Hugging Face MoE model with its experts as the dispatch op EP runs
+    (``dropless_capture``, ep = 1): same outputs as the model's own grouped_mm experts, routed
+    rows N x k per block, and the model left as it was."""
+    import torch
+
+    from autopar.planner.profile import dropless_capture, profile_model
+
+    case = make_hf("mixtral", batch=2, seq=8)
+    model = case.model
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert experts
+    cls = [type(e) for e in experts]
+    with torch.no_grad():
+        ref = model(*case.inputs).logits
+        with dropless_capture(model):
+            assert all(type(e) is not c for e, c in zip(experts, cls))
+            out = model(*case.inputs).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    assert [type(e) for e in experts] == cls and not any(hasattr(e, "ep") for e in experts)
+    prof = profile_model(model, case.inputs, case.target, case.loss_fn, expert_prefixes=("experts",))
+    moes = [u.kind for u in prof.units if u.kind.expert_params]
+    k = model.config.num_experts_per_tok
+    assert len(moes) == model.config.num_hidden_layers
+    assert all(m.routed is not None and m.routed.rows == 2 * 8 * k for m in moes)
+    assert moes[0].routed.row_bytes == model.config.hidden_size * 4
+    assert [type(e) for e in experts] == cls

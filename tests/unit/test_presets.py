@@ -58,7 +58,8 @@ def test_glm5_total_and_active_within_one_percent():
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_reduced_model_stands_for_full_depth(name):
-    full = presets.build_preset(name, seq_len=64, full_depth=True)
+    # static capacity for the full depth: the same parameters, without a dropless registration per block
+    full = presets.build_preset(name, seq_len=64, full_depth=True, capacity_factor=1.0)
     red = presets.build_preset(name, seq_len=64, microbatch_size=2)
     assert full.layer_repeats == {k: 1 for k in full.layer_repeats}
     assert len(full.layer_repeats) == full.num_layers == red.num_layers
@@ -93,11 +94,73 @@ def test_reduced_preset_captures_quickly(name):
 
 
 def test_moe_expert_flops_are_balanced_top_k_not_all_experts():
-    p = presets.build_preset("mixtral-8x7b", seq_len=128)
+    tokens, d, h = 128, 4096, 14336
+    want = 2 * 3 * tokens * 2 * d * h  # exactly top_k = 2 dense SwiGLU FFNs of width h per token
+    p = presets.build_preset("mixtral-8x7b", seq_len=128, capacity_factor=1.0)  # static: balanced buffers
     cap = capture(p.model, p.inputs, p.target, p.loss_fn)
     bmm = sum(n.meta["autopar_flops"] for n in cap.gm.graph.nodes if n.target is torch.ops.aten.bmm.default)
-    tokens, d, h = 128, 4096, 14336
-    assert bmm == 2 * 3 * tokens * p.top_k * d * h  # capacity factor 1.0: exactly top_k dense FFNs per token
+    assert p.moe is None and bmm == want
+    p = presets.build_preset("mixtral-8x7b", seq_len=128)  # dropless (the default): one dispatch op per block
+    cap = capture(p.model, p.inputs, p.target, p.loss_fn)
+    ops = [n for n in cap.gm.graph.nodes if n.target is torch.ops.autopar.moe_dispatch.default]
+    assert len(ops) == 1 and ops[0].meta["autopar_flops"] == want
+    assert not any(n.target is torch.ops.aten.bmm.default for n in cap.gm.graph.nodes)
+
+
+def test_dropless_preset_priced_from_its_dispatch_ops():
+    """deepseek-v3 at seq 64, dropless: the MoE unit's routed rows, FLOPs and saved bytes come
+    from its moe_dispatch op (hand-derived N*k, 6dh, row of d bf16), its all-to-alls and the
+    worst rank's memory from those; the dense unit has none."""
+    from autopar.planner.comm import all_to_all_time
+    from autopar.planner.devices import get_profile
+    from autopar.planner.estimate import Evaluator, Layout
+    from autopar.planner.profile import profile_model
+
+    seq, d, h, k = 64, 7168, 2048, 8
+    pm = presets.build_preset("deepseek-v3", seq_len=seq)
+    prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         expert_prefixes=pm.expert_param_prefixes, n_heads=pm.n_heads, n_experts=pm.n_experts,
+                         seq_len=seq, moe=pm.moe)
+    graph = prof.captured.gm.graph
+    assert sum(n.target is torch.ops.autopar.moe_dispatch.default for n in graph.nodes) == 1  # one MoE block built
+    dense, moe = (next(u.kind for u in prof.units if u.name == f"layers.{i}") for i in (0, 3))
+    assert dense.routed is None and moe.routed is not None
+    r = moe.routed
+    assert (r.rows, r.row_bytes, r.flops_per_row, r.dtype) == (seq * k, d * 2, 6 * d * h, "bfloat16")
+    # what a received row keeps until W (GroupedExperts.run_rows, by hand): the row, its sorted copy, the
+    # gate / up / silu / product activations (4h), the output before the routing weight and the state's output
+    # (4d + 4h distinct elements); the probe counts each save (the sorted copy twice) and the weight: 5d + 4h + 3
+    assert (4 * d + 4 * h) * 2 <= r.saved_row_bytes <= (5 * d + 4 * h + 3) * 2
+    # the dispatch state is in the unit's saved bytes (no saved graph value holds it); I adds the rows' gradients
+    static = presets.build_preset("deepseek-v3", seq_len=seq, capacity_factor=1.0)
+    sprof = profile_model(static.model, static.inputs, static.target, static.loss_fn,
+                          layer_repeats=static.layer_repeats,
+                          expert_prefixes=static.expert_param_prefixes, seq_len=seq)
+    smoe = next(u.kind for u in sprof.units if u.name == "layers.3")
+    assert static.moe is None and smoe.routed is None and smoe.dispatch_bytes > 0
+    graph_f, graph_i = moe.saved_bytes - r.rows * r.saved_row_bytes, moe.saved_after_i - r.rows * (
+        r.saved_row_bytes + r.row_bytes)
+    # the graph's own saved values: the block without its experts' buffers (the static form keeps at least the
+    # [E, C, d] input buffer and the [E, C, h] activations in graph values: more than N*k*(d + h) elements more)
+    assert 0 < graph_f and 0 <= graph_i
+    assert smoe.saved_bytes - graph_f >= r.rows * (d + h) * 2
+    dev = get_profile("h100")
+    lay = Layout(2, 16, 1, 8, "1f1b", 1, 8, 1, 1)
+    ev1, ev2 = (Evaluator(prof, dev, 80e9, 128, moe_imbalance=x) for x in (1.0, 2.0))
+    f1, i1, _w1 = ev1.unit_times(moe, lay)
+    f2, i2, _w2 = ev2.unit_times(moe, lay)
+    link = ev1.links(lay)["ep"]
+    a2a = [2 * all_to_all_time(seq * k * x * d * 2, 8, link) for x in (1.0, 2.0)]
+    extra = seq * k * 6 * d * h / dev.flops_rate("bfloat16")
+    assert f2 - f1 == pytest.approx(a2a[1] - a2a[0] + extra, rel=1e-9)
+    assert i2 - i1 == pytest.approx(a2a[1] - a2a[0] + extra, rel=1e-9)
+    # the worst rank keeps imbalance x the mean routed state
+    (a1, _), (a2, _) = ev1.unit_saved(moe, lay), ev2.unit_saved(moe, lay)
+    assert a2 - a1 == pytest.approx(r.rows * r.saved_row_bytes, rel=1e-9)
+    with pytest.raises(ValueError, match="no autopar::moe_dispatch op"):
+        from autopar.planner.profile import _check_moe
+
+        _check_moe(pm.moe, sprof.kinds, seq)
 
 
 def test_deepseek_preset_shapes():
