@@ -21,8 +21,9 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
     Layout fields to hold fixed (e.g. ``{"pp": 16, "ep": 64, "zero": 1}``); the rest is searched.
     ``moe``: the dropless MoE config (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``,
-    ``dtype``; presets carry it as ``PresetModel.moe``) that prices token-proportional
-    dispatch; ``moe_imbalance``: max/mean rows an EP rank receives (default 1.25)."""
+    ``dtype``; presets carry it as ``PresetModel.moe``), checked against the captured dispatch
+    ops (which are what prices the token-proportional dispatch); ``moe_imbalance``: max/mean
+    rows an EP rank receives (default 1.25)."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan

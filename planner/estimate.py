@@ -134,7 +134,7 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
     m_eff = steady_m(name, pp, m, v)
     if m_eff != m:
         return inflight_frontier(name, pp, m_eff, v)
-    sched = get(name).make(pp, m, v) if name in _STEADY else build(name, pp, m, v)
+    sched = get(name).make(pp, m, v) if name in _STEADY else fixed_schedule(name, pp, m, v)
     s2r = sched.stage_to_rank
     out = []
     for r, acts in enumerate(sched.actions):
@@ -183,6 +183,27 @@ def max_inflight(frontier, skip_stage0: bool = True) -> tuple[int, ...]:
         keep = [j for j, s in enumerate(stages) if not (skip_stage0 and s == 0)]
         out.append(max((sum(vec[j] + vec[k + j] for j in keep) for vec in vecs), default=0))
     return tuple(out)
+
+
+# A fixed-order schedule (every one but zb-auto) is a function of (name, pp, m, v) alone.
+# ``registry.build`` validates each one it makes (every dependency, position and count), which at
+# pp*m in the tens of thousands costs seconds per schedule, more than making and simulating it:
+# past this many actions the planner takes the generator's schedule as it is (the generators
+# are validated over grids of (pp, m, v) by the schedule tests, and the runtime validates the
+# schedule it runs through ``registry.build``); constraints are still checked.
+VALIDATE_MAX_ACTIONS = 20_000
+
+
+@lru_cache(maxsize=32)
+def fixed_schedule(name: str, pp: int, m: int, v: int):
+    """The schedule ``registry.build(name, pp, m, v)`` returns (a fixed-order one), validated when
+    it has at most ``VALIDATE_MAX_ACTIONS`` actions."""
+    from autopar.schedules.registry import check, get
+
+    if 3 * pp * v * m <= VALIDATE_MAX_ACTIONS or get(name).searched:
+        return build(name, pp, m, v)
+    v = check(name, pp, m, v)
+    return get(name).make(pp, m, v)
 
 
 @dataclass(frozen=True)
@@ -296,6 +317,7 @@ class Evaluator:
         self.bucket_bytes = bucket_bytes
         self.precision = Precision.for_profile(profile)
         self.units = profile.units
+        self._dispatch: dict = {}  # unit_times' key -> exposed (F, I) MoE all-to-all seconds
         self._times: dict = {}
         self._sims: dict = {}   # identical pipelines (e.g. ZeRO 0/1/2 of one layout) simulate once
         self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
@@ -351,9 +373,15 @@ class Evaluator:
             # worst rank's receive (moe_imbalance x the mean N*k rows); that rank also runs its
             # experts on the extra rows (F, I and W: one GEMM each per forward GEMM)
             imb = self.moe_imbalance
-            a2a = 2 * comm.all_to_all_time(r.rows * sc * imb * r.row_bytes, lay.ep, links["ep"])
-            extra = (imb - 1.0) * r.rows * sc * r.flops_per_row / self.device.flops_rate(r.dtype)
-            f, i, w = f + a2a + extra, i + a2a + extra, w + extra
+            rate = self.device.flops_rate(r.dtype)
+            one = comm.all_to_all_time(r.rows * sc * imb * r.row_bytes, lay.ep, links["ep"])
+            # passes/moe_overlap.py: each all-to-all flies while the independent work of its
+            # window (a shared expert; its input gradients in I) computes: only the rest is exposed
+            a2a_f = sum(max(0.0, one - h * sc / rate) for h in r.overlap_f)
+            a2a_i = sum(max(0.0, one - h * sc / rate) for h in r.overlap_i)
+            self._dispatch[key] = (a2a_f, a2a_i)
+            extra = (imb - 1.0) * r.rows * sc * r.flops_per_row / rate
+            f, i, w = f + a2a_f + extra, i + a2a_i + extra, w + extra
         elif lay.ep > 1 and kind.dispatch_bytes:  # static capacity: the whole expert buffers move
             a2a = 2 * comm.all_to_all_time(kind.dispatch_bytes * sc, lay.ep, links["ep"])
             f, i = f + a2a, i + a2a
@@ -374,6 +402,14 @@ class Evaluator:
                 f, i = max(f, gather), max(i, gather)
         self._times[key] = (f, i, w)
         return self._times[key]
+
+    def dispatch_exposed(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
+        """(F, I) seconds of the unit's dropless MoE all-to-alls that ``unit_times`` prices as
+        exposed (a static-capacity MoE's are graph collectives: replayed by recomputation, never
+        interleaved with another program)."""
+        self.unit_times(kind, lay)
+        key = (id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
+        return self._dispatch.get(key, (0.0, 0.0))
 
     def unit_params(self, kind: UnitKind, lay: Layout) -> float:
         """Parameter elements of a unit held by one rank before ZeRO sharding (experts split by ep)."""
@@ -468,18 +504,22 @@ class Evaluator:
           compute time (gloo's threads share the cores with the compute threads)."""
         from autopar.schedules.registry import layout as stage_layout
 
-        f, i, w = [], [], []
+        f, i, w, comm_f, comm_i = [], [], [], [], []
         bw = self.stream_bandwidth(lay)
         S = len(part.bounds) - 1
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
         for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
-            tf = ti = tw = 0.0
+            tf = ti = tw = cf = ci = 0.0
             for k in kinds:
                 a, bb, c = self.unit_times(k, lay)
                 tf, ti, tw = tf + a, ti + bb, tw + c
+                xf, xi = self.dispatch_exposed(k, lay)
+                cf, ci = cf + xf, ci + xi
             if rc:
-                ti += tf  # I replays the forward first
+                # I replays the forward first, but never a MoE dispatch's all-to-alls (its experts
+                # run again inside the op: their FLOPs are in tf)
+                ti += tf - cf
             if s == 0:
                 ti, tw = 0.0, ti + tw
             n = sum(self.unit_params(k, lay) for k in kinds) - self.shared_duplicates(part, [s])
@@ -490,7 +530,23 @@ class Evaluator:
             f.append(max(tf, 1e-12))
             i.append(max(ti, 1e-12))
             w.append(max(tw, 1e-12))
-        return Costs(f=tuple(f), i=tuple(i), w=tuple(w))
+            comm_f.append(cf)
+            comm_i.append(ci)
+        return Costs(f=tuple(f), i=tuple(i), w=tuple(w), fb_ratio=self.fb_ratio(lay, f, i, w, comm_f, comm_i))
+
+    def fb_ratio(self, lay: Layout, f, i, w, comm_f, comm_i) -> float:
+        """DualPipeV's F&B units run their two programs interleaved at the MoE all-to-alls
+        (runtime/execute.py ``run_paired``; not under ZeRO-3): each half's exposed all-to-all
+        time hides behind the other half's compute, ``min(comm_F, compute_B) + min(comm_B,
+        compute_F)`` per unit, priced on the stage means (a unit pairs two stages of one rank).
+        1.0 (nothing hidden) otherwise."""
+        if lay.schedule != "dualpipev" or lay.zero == 3 or not any(comm_f) and not any(comm_i):
+            return 1.0
+        n = len(f)
+        F, B = sum(f) / n, (sum(i) + sum(w)) / n
+        cF, cB = sum(comm_f) / n, sum(comm_i) / n
+        hidden = min(cF, B - cB) + min(cB, F - cF)
+        return max(0.05, 1.0 - hidden / (F + B))
 
     def stage_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
         return tuple(max(x, 1.0) for x in self.stage_amounts(lay, part)[0])  # >= 1 byte: zb-auto divides by it
@@ -502,9 +558,21 @@ class Evaluator:
         after_f, after_i = [], []
         for kinds, rc in zip(self.stage_kinds(part), part.recompute):
             if rc:
+                # the stage keeps its input; a MoE dispatch (never recomputed) keeps its received
+                # rows from F, and from I (its experts run again) until W everything it keeps
+                # without recomputation, plus the rows' gradients
                 a = kinds[0].in_bytes * sc
-                after_f.append(a)
-                after_i.append(a)
+                kept_f = kept_i = 0.0
+                if moe:
+                    for k in kinds:
+                        r = k.routed
+                        if r is None or not r.saved_row_bytes:
+                            continue
+                        worst = self.routed(k, lay)[1]
+                        kept_f += worst * r.row_bytes / r.saved_row_bytes
+                        kept_i += worst * (r.saved_row_bytes + r.row_bytes) / r.saved_row_bytes
+                after_f.append(a + kept_f)
+                after_i.append(a + kept_i)
                 continue
             f = i = 0.0
             for k in kinds:
@@ -568,7 +636,7 @@ class Evaluator:
             except ValueError:
                 return build("zb-auto", lay.pp, lay.m, lay.v, costs=costs, stage_bytes=sb,
                              i_free_fraction=self.i_free_fraction(part))
-        return build(lay.schedule, lay.pp, lay.m, lay.v)
+        return fixed_schedule(lay.schedule, lay.pp, lay.m, lay.v)
 
     def static_per_rank(self, lay: Layout, part: Partition, s2r) -> list[float]:
         static = [0.0] * lay.pp
@@ -878,16 +946,19 @@ class Evaluator:
         self._zl[key] = (zl, local)
         return zl, local
 
-    def memory(self, lay: Layout, part: Partition, s2r, act_peaks, sched=None) -> tuple[list[dict], list[float]]:
+    def memory(self, lay: Layout, part: Partition, s2r, act_peaks, sched=None,
+               split_moe: bool = True) -> tuple[list[dict], list[float]]:
         """Per-rank components (bytes) and totals; ``act_peaks`` from :meth:`activation_peaks`
         (``sched``: the built schedule, needed only for zb-auto's MoE receive split). Of the
         activation peak, "moe receive" is what the routed MoE rows (received rows and the
-        experts' saved activations, at the worst rank's imbalance) add to it."""
+        experts' saved activations, at the worst rank's imbalance) add to it (``split_moe=False``:
+        not split out, for totals only)."""
         sc = self.scale(lay)
         rows, totals = [], []
         stage_kinds = self.stage_kinds(part)
         moe_free = None
-        if any(u.kind.routed is not None for u in self.units) and (lay.schedule != "zb-auto" or sched is not None):
+        if split_moe and any(u.kind.routed is not None for u in self.units) and (
+                lay.schedule != "zb-auto" or sched is not None):
             moe_free = self.activation_peaks(sched, lay, part, moe=False)
         for r in range(lay.pp):
             kinds = [k for s in range(len(s2r)) if s2r[s] == r for k in stage_kinds[s]]

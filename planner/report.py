@@ -87,6 +87,11 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         out["stage_units"] = [r["units"] for r in rows]
         out["stage_to_rank"] = list(est.stage_to_rank)
         out["recompute_stages"] = [r["stage"] for r in rows if r["recompute"]]
+        from .search import plan_moe_imbalance
+
+        imb = plan_moe_imbalance(res.evaluator, c.layout)
+        if imb is not None:  # the receive bound the plan runs with (Plan.moe_imbalance)
+            out["moe_imbalance"] = imb
         units = res.evaluator.units
         if all(u.cut is not None for u in units):
             out["stage_cuts"] = [units[b].cut for b in est.partition.bounds[1:-1]]

@@ -56,6 +56,7 @@ class Request:
     top_simulate: int = 40
     memory_checks: int = 2000           # layouts found OOM by their memory alone, before stopping
     simulate_actions: int = 400_000     # budget of simulated actions in the default (not exhaustive) mode
+    simulate_seconds: float = 5.0       # and of wall time, once a layout fits (greedy orders cost far more per action)
     zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
     greedy_max: int = 1024              # zb-h2 / v-half only where pp * microbatches <= this (greedy orders per m)
     top_ilp: int = 4
@@ -216,11 +217,19 @@ def balanced_partition(times: list[float], S: int) -> tuple[int, ...]:
 # ---------------------------------------------------------------------------------------------
 # search
 
-def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str], None]):
-    """Every layout the world size, batch and model allow (violations go to ``reject``)."""
+def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str], None],
+            family: Callable[[int, int, int, int, int], bool] | None = None,
+            pruned: Callable[[list, int], None] | None = None):
+    """Every layout the world size, batch and model allow (violations go to ``reject``).
+
+    ``family(pp, dp, cp, ep, zero)``: False skips every (microbatches, schedule) layout of that
+    family without checking them one by one (the search's family memory bound); ``pruned(lay,
+    n)`` then gets the family's first layout that passes the schedule constraints (None if none
+    does) and ``n``, its (m, schedule) combinations matching the pin (constraints unchecked)."""
     N, U = req.gpus, len(profile.units)
     seq = profile.seq_len or 1
     pin = dict(req.pin)
+    fam_pin = {k: x for k, x in pin.items() if k in ("pp", "dp", "cp", "ep", "zero")}
     for pp in divisors(N):
         if pp > U:
             continue
@@ -239,16 +248,23 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
             ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
             names = ("1f1b",) if pp == 1 else req.schedules
-            for m in ms:
-                b = per_replica // m
-                for name in names:
-                    v = registry.default_stages_per_rank(name)
-                    if pp == 1:
-                        v = 1
-                    if pp * v > U:
+            for ep in eps:
+                for z in zeros:
+                    fam = {"pp": pp, "dp": dp, "cp": cp, "ep": ep, "zero": z}
+                    if fam_pin and any(fam[k] != x for k, x in fam_pin.items()):
                         continue
-                    for ep in eps:
-                        for z in zeros:
+                    if family is not None and not family(pp, dp, cp, ep, z):
+                        if pruned is not None:
+                            combos = [(m, name) for m in ms for name in names
+                                      if _fits_pin(pin, pp, m, per_replica // m, name, U)]
+                            pruned(_first_valid(combos, pp, dp, cp, ep, z, per_replica), len(combos))
+                        continue
+                    for m in ms:
+                        b = per_replica // m
+                        for name in names:
+                            v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+                            if pp * v > U:
+                                continue
                             lay = Layout(pp, dp, cp, ep, name, v, m, b, z)
                             if pin and any(getattr(lay, k) != x for k, x in pin.items()):
                                 continue
@@ -269,6 +285,25 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                             yield lay
 
 
+def _fits_pin(pin: dict, pp: int, m: int, b: int, name: str, U: int) -> bool:
+    v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+    if pp * v > U:
+        return False
+    got = {"schedule": name, "v": v, "m": m, "b": b}
+    return all(got[k] == x for k, x in pin.items() if k in got)
+
+
+def _first_valid(combos, pp, dp, cp, ep, z, per_replica) -> Layout | None:
+    for m, name in combos:
+        v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+        try:
+            registry.check(name, pp, m, v)
+        except ValueError:
+            continue
+        return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z)
+    return None
+
+
 def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], None] | None = None) -> PlanResult:
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
@@ -285,15 +320,26 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
             rejected_seen.add(key)
             rejected.append(Candidate(lay, "rejected", why))
 
-    # round 1: screen
-    screen_cache: dict = {}
-    for lay in layouts(profile, req, reject):
-        c = _screen(ev, lay, screen_cache)
-        cands.append(c)
+    # round 1: screen (whole families whose states alone cannot fit first, then layout by layout)
+    screen = _Screen(ev)
+    n_family = [0, 0]  # families, layouts
+
+    def pruned(lay: Layout | None, n: int) -> None:
+        n_family[0] += 1
+        n_family[1] += n
+        if lay is not None:  # one layout stands for the family (the report, the closest plan)
+            need, why = screen.family_reason(lay.pp, lay.dp, lay.cp, lay.ep, lay.zero, n)
+            cands.append(Candidate(lay, "rejected", why, screen_need=need))
+
+    for lay in layouts(profile, req, reject, family=screen.family_ok, pruned=pruned):
+        cands.append(screen(lay))
     screened = [c for c in cands if c.status != "rejected"]
     tiers = [sum(1 for c in screened if c.screen_tier == t) for t in range(3)]
-    say(f"screened {len(cands) + n_constraint[0]} layouts: {n_constraint[0]} break a schedule constraint, "
-        f"{len(cands) - len(screened)} cannot fit (memory lower bound: states + P2P buffers + activations in "
+    n_mem = len(cands) - len(screened) - n_family[0]
+    say(f"screened {n_mem + len(screened) + n_constraint[0] + n_family[1]} layouts: {n_family[1]} in "
+        f"{n_family[0]} (pp, dp, cp, ep, ZeRO) families whose states + reduction buffers + runtime alone exceed "
+        f"{req.memory_limit / GiB:.1f} GiB (schedule constraints not checked), {n_constraint[0]} break a "
+        f"schedule constraint, {n_mem} cannot fit (memory lower bound: states + P2P buffers + activations in "
         f"flight + reduction buffers + runtime > {req.memory_limit / GiB:.1f} GiB), {len(screened)} may fit "
         f"({tiers[0]} expected to fit, {tiers[1]} only recomputing, {tiers[2]} expected over the limit: "
         f"searched last)")
@@ -310,9 +356,13 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     todo: list[Candidate] = []
     spent = n_timed = checked = 0
     best = math.inf
+    out_of_time = False
     for c in screened:
         if not req.exhaustive and todo:
             if n_timed >= req.top_simulate or (spent >= req.simulate_actions and best < math.inf):
+                break
+            if best < math.inf and time.perf_counter() - t_sim > req.simulate_seconds:
+                out_of_time = True
                 break
             if n_timed >= 8 and c.screen_time > 1.25 * best:
                 break
@@ -332,8 +382,10 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
             best = min(best, c.time)
     for c in screened[len(todo):]:
         c.status, c.reason = "screened", "not simulated: its closed-form estimate is behind the simulated ones"
+    stopped = (f"; stopped at the {req.simulate_seconds:g} s budget (--all simulates every layout that passes the "
+               "screen)") if out_of_time else ""
     say(f"simulated {n_timed} layouts ({checked} more found over the memory limit before timing) "
-        f"in {time.perf_counter() - t_sim:.1f} s")
+        f"in {time.perf_counter() - t_sim:.1f} s{stopped}")
 
     # round 3: ILP on the best simulated layouts (and on OOM ones when nothing fits)
     feas = sorted((c for c in todo if c.status == "feasible"), key=_order)
@@ -407,78 +459,150 @@ def _crossings_of(schedule: str, pp: int, v: int) -> float:
     return n / pp
 
 
-def _screen(ev: Evaluator, lay: Layout, cache: dict) -> Candidate:
-    """Closed-form time and a memory LOWER BOUND per rank (``screen_need``; never above what
-    :meth:`Evaluator.memory` gives the heaviest rank of any partition of the layout): the mean
-    over ranks of parameters, gradients and optimizer states (ZeRO-sharded, experts over their
-    expert-data-parallel group), the activations in flight (the schedule's in-flight count,
-    each at least the smallest amount a stage can keep: recomputing, its input), the P2P
-    buffers (m sent tensors per boundary a rank crosses, each at least the smallest boundary
-    tensor, plus two receive buffers), the smallest working set or the gradient-reduction
-    buffers (ZeRO-0 buckets, ZeRO-1 flat buffers), whichever is larger, and the runtime. Also
-    the expected memory at balanced stages (mean amounts), with and without recomputation:
-    ``screen_time`` includes the recomputation a layout is expected to need."""
-    key = (lay.b, lay.cp, lay.ep, lay.dp, lay.zero)
-    sums = cache.get(key)
-    if sums is None:
-        tf = ti = tw = static = 0.0
-        n_all = n_exp = saved = inb = 0.0
-        for kind, n in ev.profile.runs():
-            f, i, w = ev.unit_times(kind, lay)
-            tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
-            static += n * ev.unit_static(kind, lay)
-            n_all += n * ev.unit_params(kind, lay)
-            n_exp += n * kind.expert_params / lay.ep
-            a, b = ev.unit_saved(kind, lay)
-            saved += n * max(a, b)
-            inb += n * kind.in_bytes * ev.scale(lay)
+class _Screen:
+    """Round 1: a closed-form time and a memory LOWER BOUND per rank (``screen_need``; never above
+    what :meth:`Evaluator.memory` gives the heaviest rank of any partition of the layout): the
+    mean over ranks of parameters, gradients and optimizer states (ZeRO-sharded, experts over
+    their expert-data-parallel group), the activations in flight (the schedule's in-flight count,
+    each at least the smallest amount a stage can keep: recomputing, its input), the P2P buffers
+    (m sent tensors per boundary a rank crosses, each at least the smallest boundary tensor, plus
+    two receive buffers), the smallest working set or the gradient-reduction buffers (ZeRO-0
+    buckets, ZeRO-1 flat buffers), whichever is larger, and the runtime. Also the expected memory
+    at balanced stages (mean amounts), with and without recomputation: ``screen_time`` includes
+    the recomputation a layout is expected to need.
+
+    The states and reduction buffers depend only on the family (pp, dp, cp, ep, ZeRO):
+    :meth:`family_ok` rejects a whole family whose states + reduction buffers + runtime alone
+    exceed the limit (every layout of it would be rejected by the per-layout bound, which adds
+    non-negative terms), before its (m, schedule) layouts are enumerated. The sums over units
+    are cached by what they depend on: times by (b, cp, ep, ZeRO-3 dp), states by (ZeRO, dp,
+    cp, ep), activation amounts by (b, cp, ep > 1); the model-wide constants (boundary tensors,
+    working sets) once."""
+
+    def __init__(self, ev: Evaluator):
+        self.ev = ev
+        units = ev.units
+        U = len(units)
+        agg: dict[int, list] = {}
+        for u in units:
+            agg.setdefault(id(u.kind), [u.kind, 0])[1] += 1
+        self.kinds = [(k, n) for k, n in agg.values()]
+        later = units[1:] or units[:1]
+        self.later = list({id(u.kind): u.kind for u in later}.values())
+        self.U = U
+        self.min_work = min(k.work_bytes for k in ev.profile.kinds)
+        self.mean_work = sum(u.kind.work_bytes for u in units) / U
+        self.bd = min(min(units[j].kind.out_bytes, units[j + 1].kind.in_bytes) for j in range(U - 1)) \
+            if U > 1 else 0.0
+        self.bd_mean = sum(units[j].kind.out_bytes for j in range(U - 1)) / max(1, U - 1)
+        self.in_mean = sum(u.kind.in_bytes for u in units) / U
         # a parameter several units share (a tied embedding/head) is one tensor on a rank that
         # holds them all: the lower bound counts it once
-        shared = sum((len(units) - 1) * numel for units, numel in getattr(ev.profile, "shared_params", ()))
-        static -= shared * ev.unit_static_per_param(lay)
-        n_all -= shared
+        self.shared = sum((len(us) - 1) * numel for us, numel in getattr(ev.profile, "shared_params", ()))
+        self.overhead = runtime_overhead(ev.device)
+        self._times: dict = {}
+        self._static: dict = {}
+        self._acts: dict = {}
+        self._fam: dict = {}
+
+    def _time_sums(self, lay: Layout):
+        key = (lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
+        hit = self._times.get(key)
+        if hit is None:
+            tf = ti = tw = 0.0
+            for kind, n in self.kinds:
+                f, i, w = self.ev.unit_times(kind, lay)
+                tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
+            hit = self._times[key] = (tf, ti, tw)
+        return hit
+
+    def _static_sums(self, lay: Layout):
+        key = (lay.zero, lay.dp, lay.cp, lay.ep)
+        hit = self._static.get(key)
+        if hit is None:
+            ev = self.ev
+            static = n_all = n_exp = 0.0
+            for kind, n in self.kinds:
+                static += n * ev.unit_static(kind, lay)
+                n_all += n * ev.unit_params(kind, lay)
+                n_exp += n * kind.expert_params / lay.ep
+            static -= self.shared * ev.unit_static_per_param(lay)
+            n_all -= self.shared
+            hit = self._static[key] = (static, n_all, n_exp)
+        return hit
+
+    def _act_sums(self, lay: Layout):
+        key = (lay.b, lay.cp, lay.ep > 1)
+        hit = self._acts.get(key)
+        if hit is None:
+            ev = self.ev
+            sc = ev.scale(lay)
+            saved = sum(n * max(ev.unit_saved(kind, lay)) for kind, n in self.kinds)
+            # the least one microbatch of a stage past stage 0 keeps (recomputing: its first unit's input)
+            a_min = min(min(k.in_bytes * sc, *ev.unit_saved(k, lay)) for k in self.later)
+            hit = self._acts[key] = (a_min, saved / self.U)
+        return hit
+
+    def family(self, pp: int, dp: int, cp: int, ep: int, zero: int) -> tuple[float, float, float]:
+        """(states per rank + runtime, reduction buffers, states per rank) of a family: its
+        layouts' memory bound is at least the first two summed."""
+        key = (pp, dp, cp, ep, zero)
+        hit = self._fam.get(key)
+        if hit is None:
+            lay = Layout(pp, dp, cp, ep, "1f1b", 1, 1, 1, zero)
+            static, n_all, n_exp = self._static_sums(lay)
+            red = self.ev.reduction_bytes(lay, n_all / pp, n_exp / pp)[1]
+            hit = self._fam[key] = (static / pp + self.overhead, red, static / pp)
+        return hit
+
+    def family_ok(self, pp: int, dp: int, cp: int, ep: int, zero: int) -> bool:
+        base, red, _ = self.family(pp, dp, cp, ep, zero)
+        return base + red <= self.ev.memory_limit
+
+    def family_reason(self, pp: int, dp: int, cp: int, ep: int, zero: int, n: int) -> tuple[float, str]:
+        base, red, states = self.family(pp, dp, cp, ep, zero)
+        need = base + red
+        return need, (f"OOM even perfectly balanced with every stage recomputing: needs at least {need / GiB:.1f} GiB "
+                      f"per rank > {self.ev.memory_limit / GiB:.1f} GiB (lower bound: states {states / GiB:.1f}, "
+                      f"reduction buffers {red / GiB:.1f}, before activations and P2P buffers; the same for all "
+                      f"{n} microbatch/schedule layouts of pp={pp} dp={dp} cp={cp} ep={ep} zero={zero})")
+
+    def __call__(self, lay: Layout) -> Candidate:
+        ev = self.ev
+        tf, ti, tw = self._time_sums(lay)
+        a_min, saved_u = self._act_sums(lay)
+        base, red, states = self.family(lay.pp, lay.dp, lay.cp, lay.ep, lay.zero)
         sc = ev.scale(lay)
-        kinds = [u.kind for u in ev.units[1:]] or [ev.units[0].kind]
-        # the least one microbatch of a stage past stage 0 keeps (recomputing: its first unit's input)
-        a_min = min(min(k.in_bytes * sc, *ev.unit_saved(k, lay)) for k in kinds)
-        min_work = min(k.work_bytes for k in ev.profile.kinds) * sc
-        mean_work = sum(u.kind.work_bytes for u in ev.units) / len(ev.units) * sc
-        units = ev.units
-        bd = min(min(units[j].kind.out_bytes, units[j + 1].kind.in_bytes) for j in range(len(units) - 1)) * sc \
-            if len(units) > 1 else 0.0
-        bd_mean = sum(units[j].kind.out_bytes for j in range(len(units) - 1)) / max(1, len(units) - 1) * sc
-        sums = cache[key] = (tf, ti, tw, static, a_min, min_work, mean_work, bd, bd_mean, n_all, n_exp,
-                             saved / len(units), inb / len(units))
-    tf, ti, tw, static, a_min, min_work, mean_work, bd, bd_mean, n_all, n_exp, saved_u, in_u = sums
-    p = lay.pp
-    f, i, w = tf / p, ti / p, tw / p
-    t = lay.m * (f + i + w) + registry.screen_bubble(lay.schedule, p, lay.v, f, i, w)
-    # no schedule beats one microbatch's critical path: every stage's F, then every stage's I
-    t = max(t, tf + ti + w / lay.v)
-    c = Candidate(lay, "screened", screen_time=t)
-    inflight, _ = _inflight(lay)
-    cross = _crossings(lay)
-    red = ev.reduction_bytes(lay, n_all / p, n_exp / p)[1]
-    base = static / p + runtime_overhead(ev.device)
-    p2p_min = cross * (lay.m * bd) + (2 * bd if cross else 0.0)
-    need = base + p2p_min + max(inflight * a_min + min_work, red)
-    c.screen_need = need
-    if need > ev.memory_limit:
-        c.status = "rejected"
-        c.reason = (f"OOM even perfectly balanced with every stage recomputing: needs at least "
-                    f"{need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB (lower bound: states "
-                    f"{static / p / GiB:.1f}, P2P {p2p_min / GiB:.1f}, activations {inflight * a_min / GiB:.1f}, "
-                    f"reduction buffers {red / GiB:.1f})")
+        p = lay.pp
+        f, i, w = tf / p, ti / p, tw / p
+        t = lay.m * (f + i + w) + registry.screen_bubble(lay.schedule, p, lay.v, f, i, w)
+        # no schedule beats one microbatch's critical path: every stage's F, then every stage's I
+        t = max(t, tf + ti + w / lay.v)
+        c = Candidate(lay, "screened", screen_time=t)
+        inflight = _inflight_of(lay.schedule, p, lay.m, lay.v)[0]
+        cross = _crossings_of(lay.schedule, p, lay.v)
+        bd = self.bd * sc
+        p2p_min = cross * (lay.m * bd) + (2 * bd if cross else 0.0)
+        need = base + p2p_min + max(inflight * a_min + self.min_work * sc, red)
+        c.screen_need = need
+        if need > ev.memory_limit:
+            c.status = "rejected"
+            c.reason = (f"OOM even perfectly balanced with every stage recomputing: needs at least "
+                        f"{need / GiB:.1f} GiB per rank > {ev.memory_limit / GiB:.1f} GiB (lower bound: states "
+                        f"{states / GiB:.1f}, P2P {p2p_min / GiB:.1f}, activations {inflight * a_min / GiB:.1f}, "
+                        f"reduction buffers {red / GiB:.1f})")
+            return c
+        # expected at balanced stages: mean per-stage amounts and boundary tensors
+        per_stage = self.U / lay.num_stages
+        bd_mean = self.bd_mean * sc
+        p2p = cross * (lay.m * bd_mean) + (2 * bd_mean if cross else 0.0)
+        mean_work = self.mean_work * sc
+        plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)
+        rc = base + p2p + max(inflight * self.in_mean * sc + mean_work, red)
+        c.screen_tier = 0 if plain <= ev.memory_limit else (1 if rc <= ev.memory_limit else 2)
+        if c.screen_tier:  # expected to recompute: I replays F
+            c.screen_time = t + lay.m * f
         return c
-    # expected at balanced stages: mean per-stage amounts and boundary tensors
-    per_stage = len(ev.units) / lay.num_stages
-    p2p = cross * (lay.m * bd_mean) + (2 * bd_mean if cross else 0.0)
-    plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)
-    rc = base + p2p + max(inflight * in_u + mean_work, red)
-    c.screen_tier = 0 if plain <= ev.memory_limit else (1 if rc <= ev.memory_limit else 2)
-    if c.screen_tier:  # expected to recompute: I replays F
-        c.screen_time = t + lay.m * f
-    return c
 
 
 def _simulate(ev: Evaluator, c: Candidate) -> bool:
@@ -488,6 +612,17 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     S = lay.num_stages
     bounds = balanced_partition(_unit_totals(ev, lay), S)
     plain, everywhere = Partition(bounds, (False,) * S), Partition(bounds, (True,) * S)
+    # a floor no order beats, one microbatch in flight on every stage (for zb-auto, whose order
+    # is only known after its search; for the others, before their schedule is built)
+    floor = {rc: _floor(ev, lay, part) for rc, part in ((False, plain), (True, everywhere))}
+    fits = {rc: max(x) <= ev.memory_limit for rc, x in floor.items()}
+    if not any(fits.values()):
+        peaks = min(floor.values(), key=max)
+        c.peaks = tuple(peaks)
+        r = max(range(len(peaks)), key=peaks.__getitem__)
+        c.status, c.reason = "oom", (f"OOM on rank {r} by at least {(peaks[r] - ev.memory_limit) / GiB:.2f} GiB "
+                                     f"(floor: one microbatch in flight per stage, recomputing or not)")
+        return False
     if lay.schedule != "zb-auto":  # fixed orders: memory is known without timing the schedule
         part = plain
         peaks = ev.peak_memory_only(lay, plain)
@@ -501,14 +636,32 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
             return False
         c.estimate = ev.evaluate(lay, part)
     else:
-        est = ev.evaluate(lay, plain)
-        if not est.feasible:
+        # zb-auto: a partition whose floor is over the limit is not searched
+        est = ev.evaluate(lay, plain) if fits[False] else None
+        if (est is None or not est.feasible) and fits[True]:
             est2 = ev.evaluate(lay, everywhere)
-            if est2.feasible or max(est2.peak_memory) < max(est.peak_memory):
+            if est is None or est2.feasible or max(est2.peak_memory) < max(est.peak_memory):
                 est = est2
         c.estimate = est
     _classify(c)
     return True
+
+
+def _floor(ev: Evaluator, lay: Layout, part: Partition) -> list[float]:
+    """Per-rank memory below which no schedule order of ``lay`` at ``part`` goes: every stage
+    holds at least one microbatch's saved activations after its first F (everything else a
+    rank holds does not depend on the order). With two stages per rank the V or the
+    interleaved layout: the smaller floor of the two."""
+    from autopar.schedules.ir import linear_layout, v_layout
+
+    after_f, _ = ev.stage_amounts(lay, part)
+    best = None
+    for s2r in ([linear_layout(lay.pp, 1)] if lay.v == 1 else [v_layout(lay.pp), linear_layout(lay.pp, lay.v)]):
+        acts = [max((after_f[s] for s in range(len(s2r)) if s2r[s] == r), default=0.0) for r in range(lay.pp)]
+        tot = ev.memory(lay, part, s2r, acts, split_moe=False)[1]
+        if best is None or max(tot) < max(best):
+            best = tot
+    return best
 
 
 def _classify(c: Candidate) -> None:
@@ -567,4 +720,14 @@ def to_plan(res_or_ev, cand: Candidate):
                          "plan the full model to run it")
     return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule, num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
-                recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero)
+                recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
+                moe_imbalance=plan_moe_imbalance(ev, lay))
+
+
+def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:
+    """The receive bound a plan carries (``Plan.moe_imbalance``): the imbalance the evaluator
+    priced the worst rank's receive at, when the model has dropless (token-proportional) MoE
+    blocks and ep > 1; None otherwise (no dispatch across ranks, or static-capacity buffers)."""
+    if lay.ep > 1 and any(u.kind.routed is not None for u in ev.units):
+        return ev.moe_imbalance
+    return None

@@ -689,7 +689,6 @@ def test_experts_sharded_over_the_expert_data_parallel_group(mixtral_profile):
 # ------------------------------------------------------------- token-proportional MoE dispatch
 def test_routed_dispatch_prices_rows_and_imbalance():
     from autopar.planner.comm import all_to_all_time
-    from autopar.planner.profile import _routed
 
     pm = presets.build_preset("deepseek-v3", seq_len=128)
     prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
@@ -697,8 +696,8 @@ def test_routed_dispatch_prices_rows_and_imbalance():
                          seq_len=128, moe=pm.moe)
     moe = next(k for k in prof.kinds if k.expert_params)
     r = moe.routed
-    assert r == _routed(pm.moe, 128) and r.rows == 128 * 8 and r.row_bytes == 7168 * 2
-    assert r.saved_row_bytes == (7168 + 3 * 2048) * 2 and r.flops_per_row == 6 * 7168 * 2048
+    assert r.rows == 128 * 8 and r.row_bytes == 7168 * 2 and r.flops_per_row == 6 * 7168 * 2048
+    assert (4 * 7168 + 4 * 2048) * 2 <= r.saved_row_bytes <= (5 * 7168 + 4 * 2048 + 3) * 2
     dev = get_profile("h100")
     lay = Layout(4, 16, 1, 8, "1f1b", 1, 8, 1, 1)
     flat, skew = Evaluator(prof, dev, 80e9, 128, moe_imbalance=1.0), Evaluator(prof, dev, 80e9, 128, moe_imbalance=2.0)
@@ -742,3 +741,33 @@ def test_pin_report_when_the_pinned_layout_does_not_fit(gpt_profile):
     assert "pinned layout" in out and "recomputation:" in out and "ZeRO-1 (pin zero=1)" in out
     assert "activation offload: not built yet" in out
     assert f"{(close.peak - res.request.memory_limit) / GiB:.2f} GiB" in out
+
+
+# ------------------------------------------- the search's shortcuts are bounds, not guesses
+def test_zb_auto_floor_and_family_bound_never_above_evaluated_memory(mixtral_profile):
+    """The schedule floor (one microbatch in flight per stage) is <= the memory of the order zb-auto's
+    search returns, per rank; a family the screen drops whole has every layout's own screen
+    bound over the limit too; to_plan's receive bound is the priced imbalance where ep > 1."""
+    from autopar.planner.search import _floor, _Screen, plan_moe_imbalance
+
+    ev = Evaluator(mixtral_profile, get_profile("h100"), 80e9, 32)
+    for pp, v, m, zero in [(2, 1, 4, 1), (4, 1, 8, 2), (2, 2, 4, 0)]:
+        lay = Layout(pp, 16 // pp, 1, 2, "zb-auto", v, m, 32 // (16 // pp) // m, zero)
+        S = lay.num_stages
+        bounds = balanced_partition([sum(ev.unit_times(u.kind, lay)) for u in mixtral_profile.units], S)
+        for rc in (False, True):
+            part = Partition(bounds, (rc,) * S)
+            est = ev.evaluate(lay, part)
+            floor = _floor(ev, lay, part)
+            assert max(floor) <= max(est.peak_memory) * (1 + 1e-12), (lay.label(), rc)
+    # the preset's MoE is dropless: ep > 1 carries the priced imbalance, ep = 1 none
+    assert plan_moe_imbalance(ev, lay) == ev.moe_imbalance
+    assert plan_moe_imbalance(ev, Layout(2, 8, 1, 1, "zb-auto", 1, 4, 1, 0)) is None
+    tight = Evaluator(mixtral_profile, get_profile("h100"), 20e9, 32)
+    screen = _Screen(tight)
+    dropped = [(pp, 16 // pp, 1, ep, z) for pp in (1, 2, 4) for ep in (1, 2) for z in (0, 1)
+               if not screen.family_ok(pp, 16 // pp, 1, ep, z)]
+    assert dropped
+    for pp, dp, cp, ep, z in dropped:
+        c = screen(Layout(pp, dp, cp, ep, "1f1b", 1, 2 * pp, 32 // dp // (2 * pp) or 1, z))
+        assert c.status == "rejected" and c.screen_need >= screen.family(pp, dp, cp, ep, z)[0]
