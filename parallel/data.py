@@ -56,13 +56,17 @@ from .zero_layout import ParamSpec, layer_group, zero_layout
 
 
 class _Buffers(ParamGrads):
-    """fp32 gradient buffers not attached to a parameter (mixed precision under ZeRO-1)."""
+    """Mixed precision's fp32 gradient accumulators: the ``.grad`` of the fp32 masters stepped
+    whole (``masters``: ZeRO-0's every parameter, an expert shard stepped whole beside the
+    ZeRO shards), else fp32 buffers attached to no parameter (ZeRO-1's flat sets read them)."""
 
-    def __init__(self, like: dict[str, torch.Tensor]):
-        super().__init__({})
+    def __init__(self, like: dict[str, torch.Tensor], masters: dict[str, torch.nn.Parameter] | None = None):
+        super().__init__(masters or {})
         self.like, self.buffers = like, {}
 
     def accumulator(self, fqn: str) -> torch.Tensor:
+        if fqn in self.tensors:
+            return super().accumulator(fqn)
         g = self.buffers.get(fqn)
         if g is None:
             p = self.like[fqn]
@@ -73,6 +77,7 @@ class _Buffers(ParamGrads):
         self.accumulator(fqn).add_(g)
 
     def zero(self) -> None:
+        super().zero()
         self.buffers = {}
 
 
@@ -149,6 +154,7 @@ class DataParallel(Parallelism):
                     if not params[f].is_meta:
                         params[f].data = torch.empty(0, dtype=compute[f], device=params[f].device)
             self._replace(self.storage.resident_views())
+            self._cast_to_compute(self.whole_experts)  # stepped whole: fp32 masters, compute copies
         else:
             self._cast_to_compute(self.trained)
         if precision is not None:
@@ -190,16 +196,17 @@ class DataParallel(Parallelism):
             self.params[f] = named[f]
 
     def _cast_to_compute(self, fqns: list[str]) -> None:
-        """Mixed precision: fp32 masters kept (ZeRO-0: the parameters themselves; ZeRO-1/2 have
-        their own shards), compute copies of ``param_dtype`` put in their place."""
+        """Mixed precision: fp32 masters kept (ZeRO-0, and expert shards stepped whole beside the
+        ZeRO shards: the fp32 parameters themselves; ZeRO-1/2/3 shards have their own), compute
+        copies of ``param_dtype`` put in their place; gradients accumulate in fp32 (the
+        masters' ``.grad``, ZeRO-1's buffers, ZeRO-2/3's flat group buffers)."""
         if self.precision is None:
             return
-        if self.zero == 0:
-            self.masters = {f: self.params[f] for f in fqns}
-            self.grads = ParamGrads(self.masters)
-        elif self.zero == 1:
-            self._initial = {f: self.params[f].detach() for f in fqns}  # the ZeRO-1 shard starts from fp32
-            self.grads = _Buffers(self.params)
+        whole = set(self.whole_experts)
+        self.masters = {f: self.params[f] for f in fqns if self.zero == 0 or f in whole}
+        if self.zero == 1:  # the ZeRO-1 shards start from fp32
+            self._initial = {f: self.params[f].detach() for f in fqns if f not in whole}
+        self.grads = _Buffers(self.params, self.masters)
         self._replace({f: self.params[f].detach().to(self._compute_dtype(self.params[f])) for f in fqns})
 
     # -- graph --------------------------------------------------------------------------------
@@ -270,10 +277,12 @@ class DataParallel(Parallelism):
         over); a ``torch.optim.Optimizer`` at every level (runtime/optim.py)."""
         experts = self._param_groups(self.whole_experts, lambda f: self.masters.get(f, self.params[f]))
         plain = [f for f in self.trained if f not in set(self.experts)]
+        # mixed precision: the masters stepped whole (ZeRO-0: all; else the whole expert shards),
+        # cast into their compute copies after each step
+        casts = {f: (m, self.params[f]) for f, m in self.masters.items()}
         if self.zero == 0 and self.masters:
             inner = factory(self._param_groups(plain, self.masters.__getitem__) + experts)
-            self.optimizer = MastersOptimizer(inner, {f: self.masters[f] for f in plain},
-                                              {f: self.params[f] for f in plain})
+            self.optimizer = MastersOptimizer(inner, casts)
         elif self.zero == 0:
             self.optimizer = factory(self._param_groups(self.trained, self.params.__getitem__))
         elif self.zero == 1:
@@ -291,10 +300,11 @@ class DataParallel(Parallelism):
             sets += [s for s in expert_sets if s[0]]
             self.optimizer = ZeroOneOptimizer(sets, self.params, self.grads, factory, self.mesh.replica_group,
                                               self.mesh.replicas, self.mesh.replica, others=experts,
-                                              initial=getattr(self, "_initial", None), reduce_dtype=self.reduce_dtype)
+                                              initial=getattr(self, "_initial", None), reduce_dtype=self.reduce_dtype,
+                                              casts=casts)
             self.__dict__.pop("_initial", None)  # the fp32 whole values are in the shards now
         else:
-            self.optimizer = ShardedOptimizer(self.storage, factory, self.option_sets, experts)
+            self.optimizer = ShardedOptimizer(self.storage, factory, self.option_sets, experts, casts=casts)
         return self.optimizer
 
     # -- gradient clipping --------------------------------------------------------------------
@@ -351,7 +361,7 @@ class DataParallel(Parallelism):
             out = self.optimizer.whole() if self.optimizer is not None else {}
         else:
             out = self.storage.whole(torch.float32)
-        out.update({f: self.params[f].detach().float() for f in self.whole_experts if f not in out})
+        out.update({f: self.masters[f].detach().clone() for f in self.whole_experts if f not in out})
         return self._expert_wholes(out)
 
     def _expert_wholes(self, values: dict) -> dict:

@@ -7,7 +7,9 @@ shards) and a ``WrappedOptimizer`` around it is what ``pm.optimizer`` returns: i
 ``torch.optim.lr_scheduler`` that changes ``lr`` changes the update, and ``state_dict()`` /
 ``load_state_dict()`` are the inner optimizer's (ZeRO states are this replica's shards).
 ``step()`` steps the inner optimizer, then brings the stepped values to where the programs read
-parameters (the subclass's ``_after_step``).
+parameters (the subclass's ``_after_step``, then ``casts``: the fp32 masters stepped whole under
+mixed precision, every one of them without ZeRO, the expert shards stepped whole beside the ZeRO
+shards otherwise, cast into their compute copies).
 """
 from __future__ import annotations
 
@@ -15,9 +17,12 @@ import torch
 
 
 class WrappedOptimizer(torch.optim.Optimizer):
-    def __init__(self, inner: torch.optim.Optimizer):
+    def __init__(self, inner: torch.optim.Optimizer, casts: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """``casts``: FQN -> (an fp32 master the inner optimizer steps whole, the compute copy
+        the programs read), copied after every step."""
         super().__init__(inner.param_groups, inner.defaults)  # torch's bookkeeping (hooks)
         self.inner = inner
+        self.casts = dict(casts or {})
         self._share()
 
     def _share(self) -> None:
@@ -30,6 +35,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
             raise ValueError("autopar: the optimizer steps once per pm.step(); closures are not supported")
         self.inner.step()
         self._after_step()
+        for master, compute in self.casts.values():
+            compute.copy_(master)
 
     def _after_step(self) -> None:
         raise NotImplementedError
@@ -47,12 +54,7 @@ class WrappedOptimizer(torch.optim.Optimizer):
 
 class MastersOptimizer(WrappedOptimizer):
     """The user's optimizer over fp32 masters; after each step the masters are cast into the
-    compute copies the programs read (mixed precision without ZeRO)."""
-
-    def __init__(self, inner, masters: dict[str, torch.nn.Parameter], compute: dict[str, torch.nn.Parameter]):
-        self.masters, self.compute = masters, compute
-        super().__init__(inner)
+    compute copies the programs read (``casts``; mixed precision without ZeRO)."""
 
     def _after_step(self) -> None:
-        for f, m in self.masters.items():
-            self.compute[f].copy_(m)
+        pass

@@ -332,13 +332,15 @@ class ShardedParameters:
 
 class ShardedOptimizer(WrappedOptimizer):
     """The user's optimizer over the shards, one parameter group per option set (plus
-    ``others``: parameter groups not sharded here), then the shards to where programs read."""
+    ``others``: parameter groups not sharded here; ``casts``: their fp32 masters and compute
+    copies under mixed precision), then the shards to where programs read."""
 
-    def __init__(self, sharded: ShardedParameters, optimizer_factory, options: list[dict], others: list[dict]):
+    def __init__(self, sharded: ShardedParameters, optimizer_factory, options: list[dict], others: list[dict],
+                 casts: dict | None = None):
         self.sharded = sharded
         groups = [{"params": [g.master for g in sharded.groups if g.options == k], **opts}
                   for k, opts in enumerate(options)]
-        super().__init__(optimizer_factory([g for g in groups if g["params"]] + list(others)))
+        super().__init__(optimizer_factory([g for g in groups if g["params"]] + list(others)), casts)
 
     def _after_step(self) -> None:
         self.sharded.after_step()

@@ -58,21 +58,23 @@ class _FlatSet:
 class ZeroOneOptimizer(WrappedOptimizer):
     def __init__(self, sets: list[tuple], params: dict[str, torch.nn.Parameter], grads,
                  optimizer_factory, dp_group, dp: int, dp_rank: int, others: list[dict] = (),
-                 initial: dict | None = None, reduce_dtype: torch.dtype = torch.float32, device=None):
+                 initial: dict | None = None, reduce_dtype: torch.dtype = torch.float32, device=None,
+                 casts: dict | None = None):
         """``sets``: (FQNs in flat order, the options of their parameter group) per option set,
         or (FQNs, options, (group, ranks, this rank's index)) for a set sharded over another
         group than ``dp_group`` (expert-parallel shards: the expert-data-parallel group);
         ``grads.accumulator(fqn)``: their gradients (runtime/stage_work.ParamGrads); ``others``:
         parameter groups stepped whole, beside the shards (expert-parallel shards whose
         expert-data-parallel group is one rank); ``initial``: fp32 whole values the master
-        shards start from (default: the parameters)."""
+        shards start from (default: the parameters); ``casts``: the fp32 masters of ``others``
+        and their compute copies under mixed precision (runtime/optim.py)."""
         self.params, self.grads = params, grads
         self.reduce_dtype = reduce_dtype
         device = device or (next(iter(params.values())).device if params else torch.device("cpu"))
         self.sets = [_FlatSet(list(entry[0]), params, *(entry[2] if len(entry) > 2 else (dp_group, dp, dp_rank)),
                               initial or {}, device) for entry in sets]
         groups = [{"params": [s.master], **entry[1]} for s, entry in zip(self.sets, sets)] + list(others)
-        super().__init__(optimizer_factory(groups))
+        super().__init__(optimizer_factory(groups), casts)
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
