@@ -61,6 +61,7 @@ class Request:
     greedy_max: int = 1024              # zb-h2 / v-half only where pp * microbatches <= this (greedy orders per m)
     top_ilp: int = 4
     ilp_time_limit: float = 2.0
+    ilp_seconds: float = 3.0            # no further ILP once they took this long and a layout fits
     # cp -> None when context parallelism can rewrite the model at that degree, else why not
     # (passes/context_parallel.context_parallel_blocker on the profile's capture); None: judge by
     # the attention head count alone
@@ -395,11 +396,16 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     t_ilp = time.perf_counter()
     ilp_runs = []
     for c in pool:
+        if (not req.exhaustive and ilp_runs and time.perf_counter() - t_ilp > req.ilp_seconds
+                and any(x.status == "feasible" for x in pool)):
+            break  # the rest keep their balanced boundaries
         res = _refine(ev, c, req)
         ilp_runs.append(res)
     solver_s = time.perf_counter() - t_ilp
+    skipped = f"; {len(pool) - len(ilp_runs)} more skipped at the {req.ilp_seconds:g} s budget" \
+        if len(ilp_runs) < len(pool) else ""
     say(f"solved {len(ilp_runs)} stage-boundary ILPs in {solver_s:.2f} s "
-        f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
+        f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'}){skipped}")
 
     feas = sorted((c for c in cands if c.status == "feasible"), key=_order)
     if not feas and not any(c.peak is not None for c in cands):
@@ -614,8 +620,11 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     plain, everywhere = Partition(bounds, (False,) * S), Partition(bounds, (True,) * S)
     # a floor no order beats, one microbatch in flight on every stage (for zb-auto, whose order
     # is only known after its search; for the others, before their schedule is built)
-    floor = {rc: _floor(ev, lay, part) for rc, part in ((False, plain), (True, everywhere))}
-    fits = {rc: max(x) <= ev.memory_limit for rc, x in floor.items()}
+    floor = {True: _floor(ev, lay, everywhere)}
+    fits = {True: max(floor[True]) <= ev.memory_limit}
+    if lay.schedule == "zb-auto" or not fits[True]:  # (a fixed order needs no plain floor when that one fits)
+        floor[False] = _floor(ev, lay, plain)
+        fits[False] = max(floor[False]) <= ev.memory_limit
     if not any(fits.values()):
         peaks = min(floor.values(), key=max)
         c.peaks = tuple(peaks)
@@ -651,12 +660,20 @@ def _floor(ev: Evaluator, lay: Layout, part: Partition) -> list[float]:
     """Per-rank memory below which no schedule order of ``lay`` at ``part`` goes: every stage
     holds at least one microbatch's saved activations after its first F (everything else a
     rank holds does not depend on the order). With two stages per rank the V or the
-    interleaved layout: the smaller floor of the two."""
+    interleaved layout (zb-auto may return either: the smaller floor of the two), or the fixed
+    schedule's own."""
     from autopar.schedules.ir import linear_layout, v_layout
+    from autopar.schedules.registry import layout as stage_layout
 
     after_f, _ = ev.stage_amounts(lay, part)
     best = None
-    for s2r in ([linear_layout(lay.pp, 1)] if lay.v == 1 else [v_layout(lay.pp), linear_layout(lay.pp, lay.v)]):
+    if lay.v == 1:
+        layouts = [linear_layout(lay.pp, 1)]
+    elif lay.schedule == "zb-auto":
+        layouts = [v_layout(lay.pp), linear_layout(lay.pp, lay.v)]
+    else:  # a fixed order has its own
+        layouts = [stage_layout(lay.schedule, lay.pp, lay.v)]
+    for s2r in layouts:
         acts = [max((after_f[s] for s in range(len(s2r)) if s2r[s] == r), default=0.0) for r in range(lay.pp)]
         tot = ev.memory(lay, part, s2r, acts, split_moe=False)[1]
         if best is None or max(tot) < max(best):
