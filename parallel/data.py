@@ -46,7 +46,7 @@ from autopar.passes.zero_stream import stream_parameters
 from autopar.runtime import comms
 from autopar.runtime.grad_reduce import BucketedReducer, naive_all_reduce
 from autopar.runtime.materialize import assign
-from autopar.runtime.optim import MastersOptimizer
+from autopar.runtime.optim import WrappedOptimizer
 from autopar.runtime.sharded import ShardedOptimizer, ShardedParameters
 from autopar.runtime.stage_work import ParamGrads
 from autopar.runtime.zero import ZeroOneOptimizer
@@ -282,7 +282,7 @@ class DataParallel(Parallelism):
         casts = {f: (m, self.params[f]) for f, m in self.masters.items()}
         if self.zero == 0 and self.masters:
             inner = factory(self._param_groups(plain, self.masters.__getitem__) + experts)
-            self.optimizer = MastersOptimizer(inner, casts)
+            self.optimizer = WrappedOptimizer(inner, casts)  # the masters, cast after each step
         elif self.zero == 0:
             self.optimizer = factory(self._param_groups(self.trained, self.params.__getitem__))
         elif self.zero == 1:

@@ -355,8 +355,12 @@ class Evaluator:
                 "ep": comm.group_link(d, lay.ep, 1), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp),
                 "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep)}
 
+    @staticmethod
+    def _time_key(kind: UnitKind, lay: Layout) -> tuple:
+        return id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3
+
     def unit_times(self, kind: UnitKind, lay: Layout) -> tuple[float, float, float]:
-        key = (id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
+        key = self._time_key(kind, lay)
         hit = self._times.get(key)
         if hit is not None:
             return hit
@@ -408,8 +412,7 @@ class Evaluator:
         exposed (a static-capacity MoE's are graph collectives: replayed by recomputation, never
         interleaved with another program)."""
         self.unit_times(kind, lay)
-        key = (id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
-        return self._dispatch.get(key, (0.0, 0.0))
+        return self._dispatch.get(self._time_key(kind, lay), (0.0, 0.0))
 
     def unit_params(self, kind: UnitKind, lay: Layout) -> float:
         """Parameter elements of a unit held by one rank before ZeRO sharding (experts split by ep)."""

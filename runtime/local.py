@@ -42,6 +42,7 @@ class LocalPipeline:
         self.work = StageWork(dict(enumerate(programs)), self.num_stages, state, grads)
         self.executed: list[list[str]] = []  # per rank, the compute actions in the order they ran
         self.training = True
+        self._units = [self.units(r) for r in range(schedule.pp)]  # F&B units run interleaved, per rank
 
     def run(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float, train: bool = True) -> torch.Tensor:
         """One pass of the schedule over ``microbatches`` (each a dict data-key -> tensor).
@@ -60,7 +61,7 @@ class LocalPipeline:
         owner = schedule.stage_to_rank
         done: set[Key] = set()  # the values computed so far
         actions = [list(a) for a in schedule.actions]
-        paired = [self.units(r) for r in range(len(actions))]
+        paired = self._units if train else [frozenset()] * len(actions)
         cursor = [0] * len(actions)
         self.executed = [[] for _ in actions]
         remaining = sum(len(a) for a in actions)
@@ -69,7 +70,7 @@ class LocalPipeline:
             for r, acts in enumerate(actions):
                 while cursor[r] < len(acts):
                     a = acts[cursor[r]]
-                    unit = acts[cursor[r]: cursor[r] + 2] if train and cursor[r] in paired[r] else [a]
+                    unit = acts[cursor[r]: cursor[r] + 2] if cursor[r] in paired[r] else [a]
                     if not all(self._ready(x, done) for x in unit):
                         break
                     if len(unit) == 2:

@@ -39,7 +39,8 @@ class WrappedOptimizer(torch.optim.Optimizer):
             compute.copy_(master)
 
     def _after_step(self) -> None:
-        raise NotImplementedError
+        """Bring the stepped values to where the programs read parameters (none to move: the
+        masters are the optimizer's own parameters, cast by ``casts``)."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
@@ -50,11 +51,3 @@ class WrappedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         self.inner.load_state_dict(state_dict)
         self._share()
-
-
-class MastersOptimizer(WrappedOptimizer):
-    """The user's optimizer over fp32 masters; after each step the masters are cast into the
-    compute copies the programs read (``casts``; mixed precision without ZeRO)."""
-
-    def _after_step(self) -> None:
-        pass

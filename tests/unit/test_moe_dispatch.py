@@ -76,20 +76,15 @@ def _loss(out, t):
     return F.mse_loss(y, t) + aux
 
 
-@pytest.mark.parametrize("schedule, recompute", [("zbv", ()), ("1f1b", (0, 1))])
-def test_dropless_pipeline_matches_eager(schedule, recompute):
-    """pp=2 (local mode) with the op's backward split into I and W (zbv runs W late), and with
-    recomputation (the op is saved, never replayed): two SGD steps equal eager gradient
+def _two_steps_equal_eager(net, plan, before_step=lambda: None):
+    """Two SGD steps of ``parallelize(net, plan)`` (4 microbatches) equal eager gradient
     accumulation over the same microbatches, and no dispatch state outlives a step."""
-    torch.manual_seed(0)
-    net = _Net()
     ref = copy.deepcopy(net)
     x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
-    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
-                             autopar.Plan(pp=2, schedule=schedule, num_microbatches=4, recompute=recompute),
-                             example_target=t)
+    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1), plan, example_target=t)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
+        before_step()
         loss = pm.step((x,), t)
         ref_opt.zero_grad()
         want = 0.0
@@ -103,6 +98,17 @@ def test_dropless_pipeline_matches_eager(schedule, recompute):
     state = pm.state_dict()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    return pm
+
+
+@pytest.mark.parametrize("schedule, recompute", [("zbv", ()), ("1f1b", (0, 1))])
+def test_dropless_pipeline_matches_eager(schedule, recompute):
+    """pp=2 (local mode) with the op's backward split into I and W (zbv runs W late), and with
+    recomputation (the op is saved, never replayed): two SGD steps equal eager gradient
+    accumulation over the same microbatches, and no dispatch state outlives a step."""
+    torch.manual_seed(0)
+    pm = _two_steps_equal_eager(_Net(), autopar.Plan(pp=2, schedule=schedule, num_microbatches=4,
+                                                      recompute=recompute))
     programs = [p for p in pm.built.programs if hasattr(p, "f")]
     ops = {kind: {n.target for p in programs for n in getattr(p, kind).gm.graph.nodes if n.op == "call_function"}
            for kind in ("f", "i", "w")}
@@ -214,27 +220,8 @@ def test_dualpipev_units_interleave_their_dispatch_chains(monkeypatch):
         monkeypatch.setattr(moe_dispatch, name, functools.partial(
             lambda real, name, *a, **kw: events.append(name) or real(*a, **kw), real, name))
     torch.manual_seed(0)
-    net = _DeepNet()
-    ref = copy.deepcopy(net)
-    x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
-    pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
-                             autopar.Plan(pp=2, schedule="dualpipev", num_microbatches=4), example_target=t)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for _ in range(2):
-        events.clear()
-        loss = pm.step((x,), t)
-        ref_opt.zero_grad()
-        want = 0.0
-        for xm, tm in zip(x.chunk(4), t.chunk(4)):
-            part = _loss(ref(xm), tm) / 4
-            part.backward()
-            want += part.item()
-        ref_opt.step()
-        assert float(loss) == pytest.approx(want, rel=1e-5)
-        assert moe_dispatch.live_handles() == 0
-    state = pm.state_dict()
-    for name, value in ref.state_dict().items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    pm = _two_steps_equal_eager(_DeepNet(), autopar.Plan(pp=2, schedule="dualpipev", num_microbatches=4),
+                                before_step=events.clear)
     units = sum(len(pm.built.executor.units(r)) for r in range(2))
     assert units > 0
     interleaved = sum(a == "_send" and b == "_grad_send" for a, b in zip(events, events[1:]))
