@@ -70,6 +70,7 @@ the full ``full_shape`` tensor; optimizers (and ZeRO) see the local shard only.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 
@@ -83,7 +84,7 @@ from . import hf_moe, moe_dispatch
 log = logging.getLogger("autopar")
 
 __all__ = ["ExpertShard", "ExpertParallelMoE", "apply_expert_parallel", "check_expert_parallel", "moe_blocks",
-           "expert_parameters", "refused_moe_blocks"]
+           "expert_parameters", "refused_moe_blocks", "dispatch_form"]
 
 
 @dataclass(frozen=True)
@@ -339,3 +340,43 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
         log.info("expert_parallel: %s keeps experts [%d, %d) of %d (ep=%d, rank %d)",
                  name or "<root>", lo, hi, m.n_experts, ep, ep_rank)
     return shards
+
+
+_EP_ATTRS = ("ep", "ep_rank", "ep_group", "ep_experts", "ep_local", "_autopar_dispatch_key")
+
+
+@contextlib.contextmanager
+def dispatch_form(model: nn.Module):
+    """While active, every experts module of ``model`` that expert parallelism shards dropless
+    (a Hugging Face experts module, or one of another form keeping the same contract:
+    passes/hf_moe.py) runs as its expert-parallel form at ep = 1: one ``autopar::moe_dispatch``
+    op over all its experts, with no group (no communication), the module's own code on the
+    routed rows. So a user's MoE model is captured with the dispatch op the runtime runs under
+    EP, and the planner prices it from that op (planner/profile.py ``_routed_of``) exactly as
+    the presets and ``autopar.nn.MoE(capacity_factor=None)``. The module's class and attributes
+    are restored on exit (its dispatch registration stays: the captured graph reads the key). At ep = 1 the runtime
+    runs the module's own implementation instead (grouped_mm: the same rows and FLOPs; W's
+    re-walk of the op is priced on top, planner/estimate.py)."""
+    _ours, found, _refused = _scan(model)
+    undo = []
+    try:
+        for name, _prefix, experts in found:
+            if isinstance(experts, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel)):
+                continue  # already rewritten (EP > 1): it holds the dispatch op
+            n = hf_moe.expert_count(experts)
+            before = (experts.__class__, {a: experts.__dict__[a] for a in _EP_ATTRS if a in experts.__dict__})
+            undo.append((experts, before))
+            if hf_moe.is_hf_experts(experts):
+                experts.__class__ = hf_moe._ep_class(type(experts))
+            else:
+                experts.__class__ = hf_moe._generic_class(type(experts))
+                experts.ep_local = n
+            experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = 1, 0, None, n
+            hf_moe._register(experts, model.get_submodule(name), name or "<root>", n, n)
+        yield
+    finally:
+        for experts, (cls, attrs) in reversed(undo):
+            experts.__class__ = cls
+            for a in _EP_ATTRS:
+                experts.__dict__.pop(a, None)
+            experts.__dict__.update(attrs)

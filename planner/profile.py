@@ -30,8 +30,8 @@ microbatch of b samples costs b/batch0 times the captured one):
   dropless MoE's routed rows read off its ``autopar::moe_dispatch`` ops (``RoutedInfo``).
 
 MoE models: a Hugging Face experts module (or one of another form that expert parallelism
-shards) is captured as the dropless dispatch op EP runs (``dropless_capture``, at ep = 1), so it
-is priced like ``autopar.nn.MoE(capacity_factor=None)`` and the presets' MoE: from the op.
+shards) is captured as the dropless dispatch op EP runs (``passes.expert_parallel.dispatch_form``,
+at ep = 1), so it is priced like ``autopar.nn.MoE(capacity_factor=None)`` and the presets' MoE: from the op.
 
 Models built on the meta device are captured on fake CPU tensors: no memory, and SDPA lowers
 to the flash kernel (saves q, k, v, out, logsumexp), as it does on GPUs, rather than to the
@@ -39,7 +39,6 @@ math path that would keep the T x T scores.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import operator
@@ -298,48 +297,6 @@ def _routed_of(gm: fx.GraphModule) -> RoutedInfo | None:
                       dtype=dtype, overlap_f=tuple(hide_f), overlap_i=tuple(hide_i))
 
 
-_EP_ATTRS = ("ep", "ep_rank", "ep_group", "ep_experts", "ep_local", "_autopar_dispatch_key")
-
-
-@contextlib.contextmanager
-def dropless_capture(model: torch.nn.Module):
-    """While active, every experts module of ``model`` that expert parallelism shards dropless
-    (a Hugging Face experts module, or one of another form keeping the same contract:
-    passes/hf_moe.py) runs as its expert-parallel form at ep = 1: one ``autopar::moe_dispatch``
-    op over all its experts, with no group (no communication), the module's own code on the
-    routed rows. So a user's MoE model is captured with the dispatch op the runtime runs under
-    EP and is priced from it (``_routed_of``) exactly as the presets and ``autopar.nn.MoE(
-    capacity_factor=None)`` are. The module's class and attributes are restored on exit (its
-    dispatch registration stays: the key is read by the captured graph). At ep = 1 the runtime
-    runs the module's own implementation instead (grouped_mm: the same rows and FLOPs; W's
-    re-walk of the op is priced on top, planner/estimate.py)."""
-    from autopar.passes import expert_parallel, hf_moe
-
-    _ours, found, _refused = expert_parallel._scan(model)
-    undo = []
-    try:
-        for name, _prefix, experts in found:
-            if isinstance(experts, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel)):
-                continue  # already rewritten (EP > 1): it holds the dispatch op
-            n = hf_moe.expert_count(experts)
-            before = (experts.__class__, {a: experts.__dict__[a] for a in _EP_ATTRS if a in experts.__dict__})
-            undo.append((experts, before))
-            if hf_moe.is_hf_experts(experts):
-                experts.__class__ = hf_moe._ep_class(type(experts))
-            else:
-                experts.__class__ = hf_moe._generic_class(type(experts))
-                experts.ep_local = n
-            experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = 1, 0, None, n
-            hf_moe._register(experts, model.get_submodule(name), name or "<root>", n, n)
-        yield
-    finally:
-        for experts, (cls, attrs) in reversed(undo):
-            experts.__class__ = cls
-            for a in _EP_ATTRS:
-                experts.__dict__.pop(a, None)
-            experts.__dict__.update(attrs)
-
-
 def _check_moe(moe: dict, kinds: list[UnitKind], tokens: int) -> None:
     """``moe`` (a preset's dropless MoE config) against what the capture holds: every unit
     with expert parameters has dispatch ops routing ``tokens x top_k`` rows per MoE block."""
@@ -576,13 +533,13 @@ class _UnitTimer:
             return x[:b1] if b1 <= batch0 else torch.cat([x] * -(-b1 // batch0))[:b1]
 
         def build():
-            from autopar.passes import keys
+            from autopar.passes import expert_parallel, keys
             from autopar.passes.capture import capture
             from autopar.passes.split_backward import stage_programs
 
             ins, tgt = tuple(resize(x) for x in inputs), resize(target)
             try:
-                with dropless_capture(model):
+                with expert_parallel.dispatch_form(model):
                     cap = capture(model, ins, tgt, loss_fn, input_names)
                 _cuts, labels1, stages = _units_of(cap)
             except Exception as e:  # noqa: BLE001 - the single-size measurement still stands
@@ -782,7 +739,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     preset's dropless MoE config (``PresetModel.moe``), checked against the capture
     (``_check_moe``); None: no check.
     """
-    from autopar.passes import keys
+    from autopar.passes import expert_parallel, keys
     from autopar.passes.capture import capture
     from autopar.passes.program import StageProgram
     from autopar.passes.split_backward import stage_programs
@@ -796,7 +753,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         seq_len = int(inputs[0].shape[1])
     t0 = time.perf_counter()
     say(f"capturing {name} ...")
-    with dropless_capture(model):  # a user's experts modules as the dispatch op EP runs (``dropless_capture``)
+    with expert_parallel.dispatch_form(model):  # a user's experts modules as the dispatch op EP runs
         fmodel, finputs, ftarget = _fakeify(model, inputs, target, param_dtype)
         captured = capture(fmodel, finputs, ftarget, loss_fn, input_names)
     capture_s = time.perf_counter() - t0

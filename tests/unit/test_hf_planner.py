@@ -63,11 +63,12 @@ def test_user_dropless_moe_priced_from_its_dispatch_ops():
 
 def test_hf_moe_captured_through_the_dispatch_op():
     """The planner captures a Hugging Face MoE model with its experts as the dispatch op EP runs
-    (``dropless_capture``, ep = 1): same outputs as the model's own grouped_mm experts, routed
+    (``expert_parallel.dispatch_form``, ep = 1): same outputs as the model's own grouped_mm experts, routed
     rows N x k per block, and the model left as it was."""
     import torch
 
-    from autopar.planner.profile import dropless_capture, profile_model
+    from autopar.passes.expert_parallel import dispatch_form
+    from autopar.planner.profile import profile_model
 
     case = make_hf("mixtral", batch=2, seq=8)
     model = case.model
@@ -76,7 +77,7 @@ def test_hf_moe_captured_through_the_dispatch_op():
     cls = [type(e) for e in experts]
     with torch.no_grad():
         ref = model(*case.inputs).logits
-        with dropless_capture(model):
+        with dispatch_form(model):
             assert all(type(e) is not c for e, c in zip(experts, cls))
             out = model(*case.inputs).logits
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
