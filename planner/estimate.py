@@ -165,6 +165,19 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
     return tuple(out)
 
 
+@lru_cache(maxsize=8192)
+def stage_inflight(name: str, pp: int, m: int, v: int) -> tuple[int, ...]:
+    """Per stage: the most microbatches it holds between their F and their I/B at once (from
+    the schedule's in-flight frontier)."""
+    from autopar.schedules.registry import layout as stage_layout
+
+    out = [0] * len(stage_layout(name, pp, v))
+    for stages, vecs in inflight_frontier(name, pp, m, v):
+        for j, s in enumerate(stages):
+            out[s] = max((vec[j] for vec in vecs), default=0)
+    return tuple(out)
+
+
 def frontier_peaks(frontier, after_f, after_i) -> tuple[float, ...]:
     """Per-rank peaks of ``inflight_frontier`` for per-stage amounts after F and after I."""
     peaks = []
@@ -696,24 +709,28 @@ class Evaluator:
         return best
 
     def p2p_bytes(self, lay: Layout, part: Partition, s2r, rank: int) -> float:
-        """Sent tensors the runtime holds until the end of the step (each stage boundary that
-        crosses ranks: m activations forward, m gradients back) plus two receive buffers."""
+        """Sent tensors the runtime still holds, plus two receive buffers. A send is dropped once
+        a later message from its receiver proves it arrived (runtime/send_release.py): the
+        activations sent for a microbatch when its gradient comes back, a gradient at the next
+        activation; so each boundary that crosses ranks holds at most the sending stage's
+        microbatches in flight plus one (:func:`stage_inflight`), whatever m is."""
         if lay.pp == 1:
             return 0.0
         sc = self.scale(lay)
         b = part.bounds
         S = len(b) - 1
+        n = stage_inflight(lay.schedule, lay.pp, lay.m, lay.v)
         held = recv = 0.0
         for s in range(S):
             if s2r[s] != rank:
                 continue
             if s + 1 < S and s2r[s + 1] != rank:   # sends activations forward, receives their gradients
                 out = self.units[b[s + 1] - 1].kind.out_bytes * sc
-                held += lay.m * out
+                held += min(lay.m, n[s] + 1) * out
                 recv = max(recv, out)
             if s > 0 and s2r[s - 1] != rank:       # receives activations, sends their gradients back
                 inp = self.units[b[s]].kind.in_bytes * sc
-                held += lay.m * inp
+                held += min(lay.m, n[s] + 1) * inp
                 recv = max(recv, inp)
         return held + 2 * recv
 

@@ -588,7 +588,9 @@ class _Screen:
         inflight = _inflight_of(lay.schedule, p, lay.m, lay.v)[0]
         cross = _crossings_of(lay.schedule, p, lay.v)
         bd = self.bd * sc
-        p2p_min = cross * (lay.m * bd) + (2 * bd if cross else 0.0)
+        # sends are held until a later message from their receiver proves they arrived
+        # (Evaluator.p2p_bytes): at least one per crossing, at most the microbatches in flight + 1
+        p2p_min = cross * bd + (2 * bd if cross else 0.0)
         need = base + p2p_min + max(inflight * a_min + self.min_work * sc, red)
         c.screen_need = need
         if need > ev.memory_limit:
@@ -601,7 +603,8 @@ class _Screen:
         # expected at balanced stages: mean per-stage amounts and boundary tensors
         per_stage = self.U / lay.num_stages
         bd_mean = self.bd_mean * sc
-        p2p = cross * (lay.m * bd_mean) + (2 * bd_mean if cross else 0.0)
+        held = min(lay.m, _inflight_of(lay.schedule, p, lay.m, lay.v)[1] + 1)
+        p2p = cross * (held * bd_mean) + (2 * bd_mean if cross else 0.0)
         mean_work = self.mean_work * sc
         plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)
         rc = base + p2p + max(inflight * self.in_mean * sc + mean_work, red)

@@ -4,7 +4,9 @@ Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one p
 replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by
 tagged isend/irecv; a receive is posted where the lowered schedule puts its RECV and waited
 on just before the compute that reads it;
-sends complete in the background and are waited on at the end of the step. After the last
+a sent tensor is dropped as soon as the schedule proves its receiver has it (runtime/send_release.py:
+at the first later message from that receiver), so what a rank holds of its sends is bounded
+by its microbatches in flight, not by the step's microbatch count. After the last
 action: tied parameters' gradients are summed over the pipeline ranks that hold them
 (parallel/pipeline.py), then the data-parallel owner (parallel/data.py) finishes its
 reduction over the dp*cp replicas (each microbatch loss was already scaled by 1/(dp*m*cp), so
@@ -28,6 +30,7 @@ from .boundary import input_wires
 from .codegen import compile_step, generate_source
 from .execute import pauses
 from .mesh import Mesh
+from .send_release import release_points
 from .stage_work import StageWork
 from .streams import CommStream
 
@@ -77,6 +80,10 @@ class DistributedPipeline:
         self._out_wires = {s: input_wires(programs[s + 1].stage) for s in self.my_stages
                            if s + 1 < schedule.num_stages and self.owner[s + 1] != mesh.pp_rank}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
+        # wait key -> this rank's sends known complete once it was taken (training steps; an
+        # evaluation's forward-only sends are waited on at its end)
+        self._release = release_points(lowered.actions, schedule.stage_to_rank, mesh.pp_rank)
+        self.max_sends_held = 0  # most sends this rank held at once in the last step (tests, metrics)
         # gloo (CPU): receives from each peer, in the order the lowered program posts them. A
         # receive is posted at its place in the program or, earlier, as soon as the previous
         # receive from the same peer was consumed (the first at the start of the step): gloo's
@@ -114,7 +121,8 @@ class DistributedPipeline:
             self.dp.begin_step()
         self._pending: dict[tuple[str, int, int], comms.PendingRecv] = {}
         self._posted: set[tuple[str, int, int]] = set()  # this step's receives, consumed or not
-        self._sends: list = []
+        self._sends: dict[tuple[str, int, int], list] = {}  # send key -> its (work, tensor) pairs
+        self.max_sends_held = 0
         self.executed = []
         try:
             if self._prefetch and train:
@@ -130,8 +138,8 @@ class DistributedPipeline:
                 interpret(self, self.lowered.actions[self.mesh.pp_rank], self.owner, self.mesh.pp_rank, self.units)
             assert not self._pending, f"receives never consumed: {sorted(self._pending)}"
             self.at("waiting for sends to finish")
-            for w, _t in self._sends:
-                w.wait(self.timeout)
+            for key in list(self._sends):
+                self._release_send(key)
             if train:
                 self.at("gradient reduction")
                 self._sync_grads()
@@ -191,10 +199,12 @@ class DistributedPipeline:
         self.at(f"waiting for {s}RECV_F{k}")
         got = self._wait(self._consume(("F", s, k)))
         self.work.put_inputs(s, k, {n: self._in_wires[s][n].unpack(t) for n, t in got.items()})
+        self._taken(("F", s, k))
 
     def wait_b(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_B{k}")
         self.work.put_grads(s, k, self._wait(self._consume(("B", s, k))))
+        self._taken(("B", s, k))
 
     def _consume(self, key: tuple[str, int, int]) -> comms.PendingRecv:
         """The posted receive `key`, after posting the next receive from the same peer."""
@@ -203,20 +213,35 @@ class DistributedPipeline:
             self._post(nxt)
         return self._pending.pop(key)
 
+    def _taken(self, key: tuple[str, int, int]) -> None:
+        """A message was taken: drop the sends that the peer is now known to have received."""
+        if self.training:
+            for sent in self._release.get(key, ()):
+                self._release_send(sent)
+
+    def _hold_send(self, key: tuple[str, int, int], works: list) -> None:
+        self._sends[key] = works
+        self.max_sends_held = max(self.max_sends_held, len(self._sends))
+
+    def _release_send(self, key: tuple[str, int, int]) -> None:
+        for w, _t in self._sends.pop(key, ()):
+            w.wait(self.timeout)
+
     def send_f(self, s: int, k: int) -> None:
         outs = self.work.take_outputs(s, k)
         wires = self._out_wires[s]
         tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(wires))]
         with self.comm.launch():
-            self._sends += comms.isend([w.pack(outs[n]) for n, w in wires.items()],
-                                       self.mesh.global_rank(self.owner[s + 1]), tags)
+            self._hold_send(("F", s, k), comms.isend([w.pack(outs[n]) for n, w in wires.items()],
+                                                     self.mesh.global_rank(self.owner[s + 1]), tags))
 
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
         names = self.programs[s - 1].diff_outputs
         tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(names))]
         with self.comm.launch():
-            self._sends += comms.isend([gin[n] for n in names], self.mesh.global_rank(self.owner[s - 1]), tags)
+            self._hold_send(("B", s, k), comms.isend([gin[n] for n in names],
+                                                     self.mesh.global_rank(self.owner[s - 1]), tags))
 
     def forward(self, s: int, k: int) -> None:
         self.at(f"running {s}F{k}")

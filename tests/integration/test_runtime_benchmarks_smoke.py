@@ -235,3 +235,23 @@ def test_ep_dispatch_runs():
     # (the printed KiB are rounded to 0.05 KiB: the ratio they give, within that)
     assert ratio and abs(float(ratio.group(1)) - sum(rows["autopar"]) / sum(rows["worst-case"])) <= 0.01, out
     assert re.search(rf"^E4: autopar / reference step time = {NUM} \(target <= 1.1\): (PASS|FAIL)$", out, re.M), out
+
+
+def test_memory_does_not_grow_with_microbatches():
+    """A1 at a small size (pp=2, 1f1b and zbv, m = 4 and 16 at a fixed microbatch): each rank's
+    peak at m=16 within 5% of its peak at m=4, where holding every send until the end of the
+    step would add 12 boundary tensors per boundary (each the microbatch's [2, 32, 32] fp32
+    activations, 8 KiB: about 10% of this rank's peak); the sends held at once are the same
+    at both m; the boundary tensor's printed size is that hand count."""
+    out = _run("memory_vs_microbatches.py", ["--layers", "2", "--d-model", "32", "--heads", "2", "--seq", "32",
+                                             "--vocab", "64", "-m", "4,16", "--base", "4",
+                                             "--schedules", "1f1b,zbv"], deadline_s=300.0)
+    rows = re.findall(rf"^\s+([01])\s+({NUM})\s+({NUM})\s+({NUM})\s+(\d+)/(\d+)\s+({NUM})\s+(PASS|FAIL)$", out, re.M)
+    assert len(rows) == 4, out
+    for rank, p4, p16, ratio, held4, held16, boundary, verdict in rows:
+        assert float(p16) <= 1.05 * float(p4) + 0.01 and verdict == "PASS", out
+        assert held4 == held16, out
+        # 12 more sends held to the end of the step would have cost more than the 5% allowed
+        assert 12 * 2 * 32 * 32 * 4 / 2**20 > 0.05 * float(p4), out
+    assert any(float(b) == pytest.approx(2 * 32 * 32 * 4 / 2**20, abs=1e-3) for *_x, b, _v in rows), out
+    assert re.search(r"^A1: PASS$", out, re.M), out

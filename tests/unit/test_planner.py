@@ -125,8 +125,9 @@ def _pp2_stage_times():
 
 
 def _pp2_memory(act0, act1):
-    # per rank: one unit's 1M parameters; p2p: the m = 2 sent tensors of its boundary (1 MB each)
-    # kept until the end of the step, plus two receive buffers
+    # per rank: one unit's 1M parameters; p2p: the sent tensors of its boundary (1 MB each) held
+    # until a later message proves them received, at most min(m, in flight + 1) = 2 at m = 2,
+    # plus two receive buffers
     return [{"weights": 4 * _P, "gradients": 4 * _P, "optimizer": 8 * _P, "activations": act, "working": 3e6,
              "p2p buffers": 2 * 1e6 + 2 * 1e6, "runtime": _RUNTIME} for act in (act0, act1)]
 
