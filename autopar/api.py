@@ -133,14 +133,14 @@ class ParallelModel:
         n_total = plan.dp * b.num_microbatches * plan.cp  # a cp rank's local mean loss weighs 1/cp
         if train:
             b.parallelisms["dp"].zero_grads()
-        moe_dispatch.clear()  # what a failed step left behind
-        moe_dispatch.reset_stats()
+        moe_dispatch.clear(b.moe_keys)  # what a failed step of this model left behind
+        moe_dispatch.reset_stats(b.moe_keys)
         total = None
         for mbs in batches.microbatches(b, inputs, target, local=self.batch == "local"):
             loss = b.executor.run(mbs, 1.0 / n_total, train=train)
             total = loss if total is None else total + loss
         if not train:
-            moe_dispatch.clear()  # a forward-only pass: no backward reads the routed rows
+            moe_dispatch.clear(b.moe_keys)  # a forward-only pass: no backward reads the routed rows
         return b, inputs, total
 
     # -- training ---------------------------------------------------------------------------

@@ -61,6 +61,7 @@ class Built:
     prediction: dict | None = None  # the planner's summary and predicted step time / peak, when it planned
     device: torch.device = torch.device("cpu")
     checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
+    moe_keys: tuple = ()           # dispatch keys of its dropless experts modules (moe_dispatch states, stats)
 
     @property
     def num_microbatches(self) -> int:
@@ -111,7 +112,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
                  optimizer=opt, prediction=prediction, checkpoint=checkpoint[0] if checkpoint else None,
-                 device=input_device(inputs))
+                 device=input_device(inputs), moe_keys=moe_keys(model))
 
 
 # -- the steps --------------------------------------------------------------------------------
@@ -254,10 +255,16 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
         owners["ep"].rewrite_module(model)
     from autopar.passes import moe_dispatch
 
-    for name, module in model.named_modules():  # the dropless experts: the plan's receive bound
+    for name, module in model.named_modules():  # the dropless experts: the plan's receive ratios
         if hasattr(module, "_autopar_dispatch_key"):
-            moe_dispatch.set_receive_bound(module, plan.moe_imbalance)
+            moe_dispatch.set_receive_policy(module, plan.moe_imbalance, plan.moe_receive_limit)
     return owners
+
+
+def moe_keys(model: nn.Module) -> tuple[int, ...]:
+    """The dispatch keys of the model's dropless experts modules (its own dispatch states and
+    receive statistics: passes/moe_dispatch.py)."""
+    return tuple(sorted({m._autopar_dispatch_key for m in model.modules() if hasattr(m, "_autopar_dispatch_key")}))
 
 
 def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None, input_names=None):

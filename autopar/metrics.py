@@ -14,8 +14,11 @@
   ``moe_max_receive_layer`` (models with dropless MoE blocks under EP or alone): the most routed
   rows one rank of an EP group received in one dispatch of this step (over the MoE layers this
   process runs; every rank of a group sees the group's counts), the mean receive per rank and
-  dispatch, their ratio (1.0: perfectly balanced) and the layer of the largest; a plan's
-  ``moe_imbalance`` bounds that ratio (passes/moe_dispatch.py).
+  dispatch, their ratio (1.0: perfectly balanced) and the layer of the largest;
+  ``moe_priced_ratio``: the plan's ``moe_imbalance`` (what its memory was priced at),
+  ``moe_over_priced``: this step's dispatches whose largest receive went over it (they ran on,
+  with a rate-limited warning), ``moe_steps_over_priced``: the steps so far with at least one
+  (passes/moe_dispatch.py). Only this model's experts modules count.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ class Recorder:
 
     def __init__(self):
         self.flops = self.peak = None
+        self.steps_over_priced = 0
 
     def setup(self, built) -> None:
         """The step's FLOPs (collective: every rank calls this at build) and the device's peak."""
@@ -86,10 +90,13 @@ class Recorder:
                "mfu": self.flops / (elapsed * built.plan.world_size * self.peak),
                "peak_memory_bytes": peak_memory_bytes(built.device),
                **{k: v for k, v in (built.prediction or {}).items() if k != "summary"}}
-        routed = moe_dispatch.receive_stats()
+        routed = moe_dispatch.receive_stats(built.moe_keys)
         if routed["dispatches"]:
+            self.steps_over_priced += bool(routed["over_priced"])
             out.update(moe_max_receive_rows=routed["max_rows"], moe_mean_receive_rows=routed["mean_rows"],
-                       moe_receive_ratio=routed["ratio"], moe_max_receive_layer=routed["layer"])
+                       moe_receive_ratio=routed["ratio"], moe_max_receive_layer=routed["layer"],
+                       moe_priced_ratio=built.plan.moe_imbalance, moe_over_priced=routed["over_priced"],
+                       moe_steps_over_priced=self.steps_over_priced)
         if log_every and step % log_every == 0 and (built.mesh is None or built.mesh.rank == 0):
             log.info("%s", line(out))
         return out

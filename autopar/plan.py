@@ -14,10 +14,14 @@ class Plan:
     accepts that is at least 2 * pp. ``stage_cuts`` fixes the pipeline cut positions (indices
     into the captured graph's compute nodes); None lets the stage splitter choose.
     ``recompute`` lists the stages whose F keeps only the stage inputs (I recomputes the rest).
-    ``moe_imbalance``: the most routed rows one rank of an EP group may receive in one dropless
-    MoE dispatch, as a multiple of the group's mean (passes/moe_dispatch.py); the planner prices
-    the receive buffers for it, and a dispatch over it fails on every rank of the group with a
-    ``ReceiveBoundError`` naming the layer and the counts; None: unbounded.
+    ``moe_imbalance``: the routed rows one rank of an EP group is expected to receive at most in
+    one dropless MoE dispatch, as a multiple of the group's mean (passes/moe_dispatch.py): what
+    the planner priced the plan's memory at. A dispatch over it runs on (it moves and allocates
+    what the counts say), logs a rate-limited warning (layer, ratio, the bytes beyond the price)
+    and counts in ``pm.metrics`` (``moe_over_priced``, ``moe_steps_over_priced``); None: not priced.
+    ``moe_receive_limit``: a hard limit on the same ratio, set only by the user: a dispatch over
+    it fails on every rank of the group with a ``ReceiveBoundError`` naming the layer and the
+    counts; None (the default): none, a dropless dispatch runs at any imbalance.
     """
 
     pp: int = 1
@@ -31,6 +35,7 @@ class Plan:
     recompute: tuple[int, ...] = field(default=())
     zero: int = 0  # ZeRO level over the dp*cp replicas: 1 optimizer states, 2 + gradients, 3 + parameters
     moe_imbalance: float | None = None
+    moe_receive_limit: float | None = None
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -46,10 +51,11 @@ class Plan:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"autopar.Plan: zero={self.zero!r} must be 0 (none), 1 (optimizer states sharded), "
                              "2 (+ gradients) or 3 (+ parameters)")
-        if self.moe_imbalance is not None and not (isinstance(self.moe_imbalance, (int, float))
-                                                   and self.moe_imbalance >= 1):
-            raise ValueError(f"autopar.Plan: moe_imbalance={self.moe_imbalance!r} must be a number >= 1 (the largest "
-                             "receive over the mean; 1.0 is perfectly balanced routing) or None (unbounded)")
+        for name in ("moe_imbalance", "moe_receive_limit"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"autopar.Plan: {name}={v!r} must be a number >= 1 (the largest receive over the "
+                                 "mean; 1.0 is perfectly balanced routing) or None")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
                              f"{self.dp * self.cp} "
@@ -89,7 +95,8 @@ class Plan:
         rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
-                ("ZeRO", self.zero)] + ([("MoE imbalance bound", self.moe_imbalance)]
-                                        if self.moe_imbalance is not None else [])
+                ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]
+                                        if self.moe_imbalance is not None else []) + (
+            [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else [])
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

@@ -6,7 +6,9 @@ transformers experts module, i.e. a class decorated with ``@use_experts_implemen
 expert weights are 3-D parameters with the expert on dim 0 (``gate_up_proj [E, 2h, d]``,
 ``down_proj [E, d, h]``, optional ``*_bias [E, ...]``) and it is called as
 ``experts(hidden_states [N, d], top_k_index [N, k], top_k_weights [N, k]) -> [N, d]``,
-``sum_j top_k_weights[n, j] * expert_{top_k_index[n, j]}(hidden_states[n])``. Everything else
+``sum_j top_k_weights[n, j] * expert_{top_k_index[n, j]}(hidden_states[n])`` (the three inputs
+are taken by position, whatever their names: GPT-OSS calls them ``router_indices,
+routing_weights``; ``_call_args`` checks their shapes and dtypes). Everything else
 of the block (router, group-limited sigmoid routing and its selection bias, shared experts and
 their gate, jitter) is left alone and runs replicated on every rank, so only that one call is
 made distributed. The experts' ``experts_implementation`` must be ``grouped_mm`` (the
@@ -77,13 +79,13 @@ __all__ = ["STATIC_IMPLEMENTATIONS", "is_hf_experts", "hf_refusal", "hf_expert_c
            "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel"]
 
 STATIC_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
-_SIGNATURE = ("self", "hidden_states", "top_k_index", "top_k_weights")
 EXPECTED = ("a Hugging Face experts module made by transformers' @use_experts_implementation (3-D expert "
             "parameters with the expert on dim 0, e.g. gate_up_proj [E, 2h, d] and down_proj [E, d, h], called as "
-            "experts(hidden_states, top_k_index, top_k_weights)) with experts_implementation "
+            "experts(rows, expert ids, routing weights), any names) with experts_implementation "
             f"{' or '.join(map(repr, STATIC_IMPLEMENTATIONS))}, or an experts module of another form: every "
-            "parameter with the E experts on dim 0, called as experts(hidden_states [N, d], top_k_index [N, k], "
-            "top_k_weights [N, k]) -> [N, d], with static shapes (no nonzero(), boolean masks, .item())")
+            "parameter with the E experts on dim 0, called as experts(rows [N, d], expert ids [N, k], "
+            "routing weights [N, k]) -> [N, d] (three positional tensors, any names), with static shapes (no "
+            "nonzero(), boolean masks, .item())")
 # attributes holding the expert count that a module's own code may read (set to E / ep on a rank)
 _COUNT_ATTRS = ("num_experts", "n_experts", "num_local_experts", "n_routed_experts")
 
@@ -127,9 +129,9 @@ def hf_expert_count(module: nn.Module) -> int:
 
 def hf_refusal(module: nn.Module) -> str | None:
     """Why EP cannot shard this transformers experts module, or None when it can."""
-    sig = tuple(inspect.signature(_hf_forward(type(module))).parameters)
-    if sig != _SIGNATURE:
-        return f"its forward takes {sig[1:]}, expected {_SIGNATURE[1:]}"
+    why = _signature_refusal(module)
+    if why:
+        return why
     n_experts = getattr(module, "num_experts", None)
     if not isinstance(n_experts, int) or n_experts < 1:
         return f"it has no integer num_experts (got {n_experts!r})"
@@ -147,13 +149,24 @@ def hf_refusal(module: nn.Module) -> str | None:
     return None
 
 
-def _check_call(module, hidden_states, top_k_index, top_k_weights) -> None:
-    """The experts' call contract: hidden_states [N, d], top_k_index and top_k_weights [N, k]."""
-    if hidden_states.dim() != 2 or top_k_index.dim() != 2 or top_k_index.shape != top_k_weights.shape \
-            or top_k_index.shape[0] != hidden_states.shape[0]:
-        raise ValueError(f"autopar: expert-parallel {type(module).__name__} expects hidden_states [N, d], "
-                         f"top_k_index and top_k_weights [N, k]; got {tuple(hidden_states.shape)}, "
-                         f"{tuple(top_k_index.shape)}, {tuple(top_k_weights.shape)}")
+def _call_args(module, args, kwargs) -> tuple:
+    """The experts' three inputs, in the order of its forward's parameters, whatever their
+    names (transformers' Mixtral: ``top_k_index, top_k_weights``; GPT-OSS: ``router_indices,
+    routing_weights``; a user's own) and however the block passes them (by position or
+    keyword), checked against the contract: rows ``[N, d]`` floating, expert ids ``[N, k]``
+    integer, routing weights ``[N, k]`` floating."""
+    bound = _signature(module).bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    hidden, index, weights = list(bound.arguments.values())[1:4]
+    ok = all(isinstance(t, torch.Tensor) for t in (hidden, index, weights))
+    if not ok or hidden.dim() != 2 or index.dim() != 2 or index.shape != weights.shape \
+            or index.shape[0] != hidden.shape[0] or not hidden.is_floating_point() \
+            or index.is_floating_point() or index.is_complex() or not weights.is_floating_point():
+        shown = ", ".join(f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+                          for t in (hidden, index, weights))
+        raise ValueError(f"autopar: expert-parallel {type(module).__name__} expects (rows [N, d] floating, expert ids "
+                         f"[N, k] integer, routing weights [N, k] floating) as its three inputs; got {shown}")
+    return hidden, index, weights
 
 def _dispatch(module, hidden_states, top_k_index, top_k_weights, n_local: int) -> torch.Tensor:
     """The token-proportional dropless dispatch (passes/moe_dispatch.py) of an expert-parallel
@@ -183,8 +196,8 @@ class HFExpertParallel:
     ep_group: str  # group name: a string, so the module deep-copies
     ep_experts: int  # global E; ``num_experts`` is the local El (what the implementations index)
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        _check_call(self, hidden_states, top_k_index, top_k_weights)
+    def forward(self, *args, **kwargs):
+        hidden_states, top_k_index, top_k_weights = _call_args(self, args, kwargs)
         return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.num_experts)
 
     def extra_repr(self) -> str:
@@ -262,8 +275,8 @@ def _signature_refusal(module: nn.Module) -> str | None:
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     if len(params) != 3 or any(p.kind not in positional for p in params):
         shown = ", ".join(str(p) for p in params)
-        return (f"its forward takes ({shown}), expected exactly three tensors (hidden_states [N, d], top_k_index "
-                "[N, k], top_k_weights [N, k])")
+        return (f"its forward takes ({shown}), expected exactly three positional tensors (rows [N, d], expert ids "
+                "[N, k], routing weights [N, k]; any names)")
     return None
 
 
@@ -407,10 +420,7 @@ class GenericExpertParallel:
     ep_local: int  # El
 
     def forward(self, *args, **kwargs):
-        bound = _signature(self).bind(self, *args, **kwargs)
-        bound.apply_defaults()
-        hidden_states, top_k_index, top_k_weights = list(bound.arguments.values())[1:]
-        _check_call(self, hidden_states, top_k_index, top_k_weights)
+        hidden_states, top_k_index, top_k_weights = _call_args(self, args, kwargs)
         return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.ep_local)
 
     def extra_repr(self) -> str:

@@ -64,6 +64,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -73,12 +74,27 @@ import torch.fx as fx
 log = logging.getLogger("autopar")
 
 __all__ = ["register_experts", "dropless_experts", "routed_info", "RoutedInfo", "receive_stats", "reset_stats",
-           "clear", "set_receive_bound", "registered_names", "set_layer_name", "module_runner", "probe_row_costs",
+           "clear", "set_receive_policy", "registered_names", "set_layer_name", "module_runner", "probe_row_costs",
            "live_handles", "is_dispatch_node", "ReceiveBoundError", "fused_backward"]
 
 
 class ReceiveBoundError(RuntimeError):
-    """A rank would receive more routed rows than the bound of its MoE layer allows."""
+    """A rank would receive more routed rows than the hard limit the user set for its MoE layer."""
+
+
+# a dispatch over the priced ratio logs at most once per this many seconds per layer (with the
+# number of such dispatches since the last line)
+WARN_EVERY_S = 60.0
+
+
+@dataclass
+class _Receives:
+    """What one experts module's dispatches received since its last reset (``pm.metrics``)."""
+
+    max_rows: int = 0  # the largest receive of one rank in one dispatch
+    rows: float = 0.0  # the sum of the per-dispatch mean receives
+    calls: int = 0  # dispatches
+    over: int = 0  # dispatches whose largest receive exceeded the priced ratio
 
 
 @dataclass
@@ -91,7 +107,11 @@ class _Experts:
     n_experts: int  # global E
     flops_per_row: int  # forward FLOPs of one row through one expert (2 * elements of one expert)
     saved_row_elems: int  # elements saved from F to W per received row (row + expert activations)
-    receive_bound: float | None = None  # most received rows, as a multiple of the mean (None: unbounded)
+    receive_bound: float | None = None  # hard limit: most received rows, a multiple of the mean (None: none)
+    priced: float | None = None  # the ratio the plan's memory was priced at: above it, a warning
+    stats: _Receives = field(default_factory=_Receives)
+    warned_at: float = float("-inf")  # time.monotonic() of the last over-priced warning
+    unwarned: int = 0  # over-priced dispatches since that warning
 
 
 _REGISTRY: dict[int, _Experts] = {}
@@ -102,6 +122,7 @@ _HANDLES = itertools.count(1)
 @dataclass
 class _State:
     layer: str
+    key: int  # the experts module's registry key (which model's state this is)
     order: torch.Tensor  # [S] sorted position -> assignment (token * k + choice)
     send: list[int]  # rows sent to each group rank
     recv: list[int]  # rows received from each group rank
@@ -134,7 +155,6 @@ class _State:
 
 
 _STATE: dict[int, _State] = {}
-_STATS = {"max": 0, "rows": 0, "calls": 0, "layer": ""}
 _FUSED = [False]  # a fused backward (B) runs: the input-gradient op computes the weight gradients too
 
 
@@ -238,31 +258,47 @@ def _probe_runs(run, mode, fake, d, n_local, dtype, rows):
     return costs
 
 
-def set_receive_bound(module, factor: float | None) -> None:
-    """Fail (``ReceiveBoundError``, on every rank of the group at once) when a rank would receive
-    more than ``factor`` times the mean routed rows in this experts module; None: unbounded."""
-    if factor is not None and not factor >= 1:
-        raise ValueError(f"autopar: a receive bound is a multiple of the mean receive, >= 1; got {factor!r}")
-    _REGISTRY[module._autopar_dispatch_key].receive_bound = factor
+def set_receive_policy(module, priced: float | None, limit: float | None = None) -> None:
+    """The receive ratios (largest receive of one rank in one dispatch over the group's mean)
+    of this experts module: ``priced``, what the plan's memory was priced at (a dispatch over it
+    runs on, moving and allocating what the counts say, and logs a rate-limited warning);
+    ``limit``, a hard limit set by the user (a dispatch over it fails with
+    ``ReceiveBoundError`` on every rank of the group at once). None: neither."""
+    for name, factor in (("moe_imbalance", priced), ("moe_receive_limit", limit)):
+        if factor is not None and not factor >= 1:
+            raise ValueError(f"autopar: {name}={factor!r}: a receive ratio is a multiple of the mean receive, >= 1")
+    spec = _REGISTRY[module._autopar_dispatch_key]
+    spec.priced, spec.receive_bound = priced, limit
 
 
-def receive_stats() -> dict:
-    """The largest receive (rows) of one rank in one dispatch since ``reset_stats()``, the mean
-    receive per dispatch, their ratio and the layer of the largest."""
-    mean = _STATS["rows"] / _STATS["calls"] if _STATS["calls"] else 0.0
-    return {"max_rows": _STATS["max"], "mean_rows": mean, "ratio": _STATS["max"] / mean if mean else 0.0,
-            "layer": _STATS["layer"], "dispatches": _STATS["calls"]}
+def _specs(keys) -> list[_Experts]:
+    return list(_REGISTRY.values()) if keys is None else [_REGISTRY[k] for k in keys if k in _REGISTRY]
 
 
-def reset_stats() -> None:
-    _STATS.update(max=0, rows=0, calls=0, layer="")
+def receive_stats(keys=None) -> dict:
+    """Over the experts modules ``keys`` (None: all): the largest receive (rows) of one rank in
+    one dispatch since ``reset_stats()``, the mean receive per dispatch, their ratio, the layer
+    of the largest, the dispatches, and how many of them went over their priced ratio."""
+    specs = _specs(keys)
+    calls = sum(sp.stats.calls for sp in specs)
+    mean = sum(sp.stats.rows for sp in specs) / calls if calls else 0.0
+    worst = max(specs, key=lambda sp: sp.stats.max_rows, default=None)
+    top = worst.stats.max_rows if worst is not None else 0
+    return {"max_rows": top, "mean_rows": mean, "ratio": top / mean if mean else 0.0,
+            "layer": worst.layer if worst is not None and top else "", "dispatches": calls,
+            "over_priced": sum(sp.stats.over for sp in specs)}
 
 
-def clear() -> None:
-    """Drop every live dispatch state (what a failed or forward-only step left behind)."""
-    for st in _STATE.values():
-        st.release()
-    _STATE.clear()
+def reset_stats(keys=None) -> None:
+    for sp in _specs(keys):
+        sp.stats = _Receives()
+
+
+def clear(keys=None) -> None:
+    """Drop the live dispatch states (what a failed or forward-only step left behind) of the
+    experts modules ``keys`` (None: of every model in this process)."""
+    for handle in [h for h, st in _STATE.items() if keys is None or st.key in keys]:
+        _STATE.pop(handle).release()
 
 
 def live_handles() -> int:
@@ -317,24 +353,40 @@ def _exchange_counts(counts: torch.Tensor, group, ep: int) -> torch.Tensor:
     return out.view(ep, counts.numel())
 
 
-def _check_bound(spec: _Experts, table: torch.Tensor, ep: int, n_local: int) -> list[int]:
-    """Rows each group rank receives (``table [ep, E]``); ReceiveBoundError on every rank when
-    one exceeds the bound; records the stats."""
+def _check_bound(spec: _Experts, table: torch.Tensor, ep: int, n_local: int, row_bytes: int = 0) -> list[int]:
+    """Rows each group rank receives (``table [ep, E]``); records the stats. Over the priced
+    ratio: a rate-limited warning, and the dispatch goes on (a dropless MoE must not stop a run
+    because routing is skewed early in training). Over the user's hard limit:
+    ReceiveBoundError, on every rank of the group (each sees the same table). ``row_bytes``:
+    what one received row costs until W (for the warning's extra bytes)."""
     per_rank = table.view(ep, ep, n_local).sum(dim=(0, 2)).tolist()  # destination rank -> rows
     mean = sum(per_rank) / ep
     worst = max(per_rank)
-    _STATS["calls"] += 1
-    _STATS["rows"] += mean
-    if worst > _STATS["max"]:
-        _STATS["max"], _STATS["layer"] = worst, spec.layer
+    st = spec.stats
+    st.calls += 1
+    st.rows += mean
+    st.max_rows = max(st.max_rows, worst)
+    who = per_rank.index(worst)
     if spec.receive_bound is not None and worst > spec.receive_bound * mean:
-        who = per_rank.index(worst)
         raise ReceiveBoundError(
             f"autopar: MoE layer {spec.layer}: EP group rank {who} would receive {worst} routed rows, "
-            f"{worst / mean:.2f}x the mean {mean:.1f} (per-rank receives {per_rank}), over the bound of "
-            f"{spec.receive_bound}x the mean the plan's memory was priced for; raise the bound "
-            "(Plan.moe_imbalance / autopar plan --moe-imbalance), use more balanced routing (a load-balance loss or "
-            "selection bias), or a static-capacity MoE that drops the overflow")
+            f"{worst / mean:.2f}x the mean {mean:.1f} (per-rank receives {per_rank}), over the hard limit of "
+            f"{spec.receive_bound}x the mean set by Plan.moe_receive_limit; raise or remove the limit (a dropless "
+            "dispatch runs at any imbalance), use more balanced routing (a load-balance loss or selection bias), or "
+            "a static-capacity MoE that drops the overflow")
+    if spec.priced is not None and worst > spec.priced * mean:
+        st.over += 1
+        spec.unwarned += 1
+        now = time.monotonic()
+        if now - spec.warned_at >= WARN_EVERY_S:
+            extra = (worst - spec.priced * mean) * row_bytes
+            log.warning("autopar: MoE layer %s: EP group rank %d received %d routed rows, %.2fx the mean %.1f "
+                        "(per-rank %s), over the %gx the plan's memory was priced for: %.1f MiB more than priced "
+                        "on that rank (%d such dispatch(es) in this layer since the last warning; pm.metrics "
+                        "moe_over_priced counts them). The run goes on; if memory runs short, plan with a larger "
+                        "moe_imbalance or balance the routing", spec.layer, who, worst, worst / mean, mean, per_rank,
+                        spec.priced, extra / 2**20, spec.unwarned)
+            spec.warned_at, spec.unwarned = now, 0
     return per_rank
 
 
@@ -349,12 +401,12 @@ def _send(x, ids, weights, key, group, ep, n_local):
     order = torch.argsort(flat, stable=True)  # by expert: by destination rank, then local expert
     counts = torch.bincount(flat, minlength=ep * n_local)
     table = _exchange_counts(counts, pg, ep)  # [source rank, expert]
-    _check_bound(spec, table, ep, n_local)
+    _check_bound(spec, table, ep, n_local, row_bytes=spec.saved_row_elems * x.element_size())
     per_dest = table.view(ep, ep, n_local)
     mine = per_dest[:, me]  # [source rank, local expert]: the rows this rank receives
     # local expert of every received row: source-major, then expert-major within a source
     local_ids = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep), mine.reshape(-1))
-    st = _State(spec.layer, order, per_dest[me].sum(dim=1).tolist(), mine.sum(dim=1).tolist(), local_ids,
+    st = _State(spec.layer, key, order, per_dest[me].sum(dim=1).tolist(), mine.sum(dim=1).tolist(), local_ids,
                 mine.sum(dim=0).tolist())
     _all_to_all(st, "rows", x.index_select(0, torch.div(order, k, rounding_mode="floor")), st.recv, st.send, pg)
     _all_to_all(st, "weights", weights.reshape(-1).index_select(0, order), st.recv, st.send, pg)

@@ -90,7 +90,7 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         from .search import plan_moe_imbalance
 
         imb = plan_moe_imbalance(res.evaluator, c.layout)
-        if imb is not None:  # the receive bound the plan runs with (Plan.moe_imbalance)
+        if imb is not None:  # the imbalance the plan was priced at (Plan.moe_imbalance)
             out["moe_imbalance"] = imb
         units = res.evaluator.units
         if all(u.cut is not None for u in units):

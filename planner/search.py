@@ -745,7 +745,7 @@ def to_plan(res_or_ev, cand: Candidate):
 
 
 def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:
-    """The receive bound a plan carries (``Plan.moe_imbalance``): the imbalance the evaluator
+    """The receive imbalance a plan is priced at (``Plan.moe_imbalance``): the imbalance the evaluator
     priced the worst rank's receive at, when the model has dropless (token-proportional) MoE
     blocks and ep > 1; None otherwise (no dispatch across ranks, or static-capacity buffers)."""
     if lay.ep > 1 and any(u.kind.routed is not None for u in ev.units):

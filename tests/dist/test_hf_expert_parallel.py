@@ -15,6 +15,16 @@ reported, the others still run):
            on each rank's experts. Qwen3-MoE differs from Mixtral only in its router, which EP
            leaves replicated; it is left out here for time.
 
+GPT-OSS (experts called as ``experts(hidden_states, router_indices, routing_weights)``, with
+per-expert biases, a clamped SwiGLU over interleaved gate/up columns, a router with a bias) runs
+at both worlds, at world 4 under 1f1b: its experts are recognized by their contract (three
+positional tensors), not by argument names.
+
+The world-2 plans carry ``moe_imbalance=1.25``, what a planner-chosen plan carries: DeepSeek-V3's
+routing puts every row on rank 0 (2x the mean), over that ratio, and the run goes on, exact,
+with the excess counted in ``pm.metrics``; "deepseek_v3 limit" sets ``moe_receive_limit=1.25``,
+the user's hard limit, and must fail on every rank naming the layer.
+
 Routing is skewed by construction and the skew is asserted on the eager model: in Mixtral and
 Qwen3-MoE no token of a microbatch picks expert 3, so rank 1 (experts 2, 3) receives zero
 tokens for it; in DeepSeek-V3 the selection bias sends every token to group {0, 1}, so rank 1
@@ -34,9 +44,16 @@ pytestmark = pytest.mark.slow
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 BATCH, SEQ, LR = 8, 8, 1.0
-PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3),
+PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3, moe_imbalance=1.25),
          4: dict(pp=2, dp=2, ep=2, schedule="dualpipev", num_microbatches=4, zero=1)}
-WORLD_MODELS = {2: MODELS + ("custom", "dropless"), 4: ("mixtral", "deepseek_v3", "custom", "dropless")}
+WORLD_MODELS = {2: MODELS + ("custom", "dropless", "gpt_oss", "deepseek_v3 limit"),
+                4: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss")}
+# (world, sub-case) -> plan fields that differ from the world's plan
+PLAN_CHANGES = {(4, "gpt_oss"): dict(schedule="1f1b"), (2, "deepseek_v3 limit"): dict(moe_receive_limit=1.25)}
+
+
+def plan_of(world: int, name: str) -> dict:
+    return {**PLANS[world], **PLAN_CHANGES.get((world, name), {})}
 VOCAB_DROPLESS, D_DROPLESS = 64, 16
 
 
@@ -171,6 +188,7 @@ def make_case(name: str):
 
     if name == "dropless":
         return _dropless_case()
+    name = name.split()[0]
     case = make_hf("mixtral" if name == "custom" else name, seed=0, batch=BATCH, seq=SEQ)
     model = case.model
     with torch.no_grad():
@@ -184,7 +202,7 @@ def make_case(name: str):
             # expert 3's router row scores strongly negative: it never makes a token's top-2
             model.model.embed_tokens.weight[:, 0] = 0.1
             for layer in model.model.layers:
-                layer.mlp.gate.weight[3, 0] = -10.0
+                (layer.mlp.router if name == "gpt_oss" else layer.mlp.gate).weight[3, 0] = -10.0
     if name == "custom":
         custom_experts(model)
     return case
@@ -216,7 +234,7 @@ def routing_counts(name: str, world_dp: int, m: int):
     return counts
 
 
-def _train_all(rank, world, plan, names):
+def _train_all(rank, world, names):
     import traceback
 
     import torch
@@ -229,7 +247,7 @@ def _train_all(rank, world, plan, names):
             case = make_case(name)
             pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
                                      optimizer=functools.partial(torch.optim.SGD, lr=LR),
-                                     plan=autopar.Plan(**plan), example_target=case.target)
+                                     plan=autopar.Plan(**plan_of(world, name)), example_target=case.target)
             ep = pm.built.parallelisms["ep"]
             with _recording_all_to_alls() as wire:
                 losses = [pm.step(case.inputs, case.target)]
@@ -365,7 +383,7 @@ _RESULTS: dict = {}  # one run per world, shared by its test cases
 
 def _results(world: int):
     if world not in _RESULTS:
-        _RESULTS[world] = run_shared(_train_all, world, PLANS[world], WORLD_MODELS[world], deadline_s=300, reuse=False)
+        _RESULTS[world] = run_shared(_train_all, world, WORLD_MODELS[world], deadline_s=400, reuse=False)
     return _RESULTS[world]
 
 
@@ -384,8 +402,28 @@ def test_routing_skew_gives_zero_token_experts():
                     assert received_by_rank1[0] > 0 and min(mb[0][:3]) > 0, (name, counts)
 
 
-@pytest.mark.parametrize("world, name", [(w, n) for w in sorted(PLANS) for n in WORLD_MODELS[w]])
+@pytest.mark.parametrize("world, name", [(w, n) for w in sorted(PLANS) for n in WORLD_MODELS[w] if "limit" not in n])
 def test_hf_ep_matches_eager(world, name):
-    _check(name, PLANS[world], _results(world))
+    _check(name, plan_of(world, name), _results(world))
     if name == "dropless" and world == 2:
         _check_dropless_wire(_results(world), PLANS[world]["dp"], PLANS[world]["num_microbatches"])
+
+
+def test_skewed_routing_runs_on_and_a_hard_limit_stops_it():
+    """DeepSeek-V3 at dp=2 x ep=2 routes every row to rank 0's experts: 2x the mean receive,
+    over the plan's priced 1.25x. By default the run goes on (test_hf_ep_matches_eager: exact),
+    and pm.metrics says so on every rank: ratio 2.0 (the eager router's counts, asserted in
+    test_routing_skew_gives_zero_token_experts), every dispatch of the step over the priced
+    ratio (one per MoE layer per microbatch: 1 layer x 2), one step over. With the user's hard
+    limit, every rank fails naming the layer and the counts."""
+    results = _results(2)
+    for r, res in enumerate(results):
+        got = res["deepseek_v3"]
+        assert isinstance(got, dict), f"rank {r} raised:\n{got}"
+        routed = got["routed"]
+        assert routed["moe_receive_ratio"] == pytest.approx(2.0), routed
+        assert routed["moe_priced_ratio"] == 1.25 and routed["moe_over_priced"] == 2, routed
+        assert routed["moe_steps_over_priced"] == 1, routed
+        failed = res["deepseek_v3 limit"]
+        assert isinstance(failed, str) and "ReceiveBoundError" in failed, f"rank {r}: {failed}"
+        assert "model.layers.1.mlp" in failed and "2.00x the mean" in failed and "moe_receive_limit" in failed, failed

@@ -272,8 +272,8 @@ class _Block(nn.Module):
 
 _REFUSED = [
     (_SharedParam, r"parameter norm has shape \(8,\), expected the 4 experts \(num_experts=4\) on dim 0"),
-    (_TwoArgs, r"its forward takes \(hidden_states, routing\), expected exactly three tensors"),
-    (_VarArgs, r"its forward takes \(hidden_states, \*routing\), expected exactly three tensors"),
+    (_TwoArgs, r"its forward takes \(hidden_states, routing\), expected exactly three positional tensors"),
+    (_VarArgs, r"its forward takes \(hidden_states, \*routing\), expected exactly three positional tensors"),
     (_Nonzero, r"its forward has a data-dependent shape \(aten.nonzero.default.*one-hot mask"),
     (_HostRead, r"its forward reads tensor values on the host \(aten._local_scalar_dense.default"),
     (_PerExpertBuffer, r"buffer usage \(4,\) looks per-expert.*nn.Parameter\(requires_grad=False\)"),
@@ -292,6 +292,30 @@ def test_experts_breaking_the_contract_are_refused_by_name(experts, why):
     with pytest.raises(ValueError, match=rf"does not support the MoE block\(s\) \['1'\].*1.experts.*{why}"):
         apply_expert_parallel(model, 2, 0, None)
     assert model[0].experts.w.shape[0] == 4 and type(model[0].experts) is _Experts  # nothing changed
+
+
+class _Renamed(_Experts):
+    """GPT-OSS's call form: other names, defaults, passed by keyword by its block."""
+
+    def forward(self, x, router_indices=None, routing_weights=None):
+        return super().forward(x, router_indices, routing_weights)
+
+
+def test_experts_are_recognized_by_contract_not_by_argument_names():
+    """Any names, positional or keyword: the three inputs are taken by position of the forward's
+    parameters and checked by shape and dtype (rows floating, ids integer, weights floating)."""
+    from autopar.passes import hf_moe
+
+    model = nn.Sequential(_Block(_Renamed()))
+    assert moe_blocks(model) == [("0", 4)] and refused_moe_blocks(model) == []
+    m = model[0].experts
+    x, idx, w = torch.randn(3, 8), torch.tensor([[0, 1], [2, 3], [1, 2]]), torch.rand(3, 2)
+    for args, kwargs in (((x, idx, w), {}), ((x,), {"routing_weights": w, "router_indices": idx})):
+        got = hf_moe._call_args(m, args, kwargs)
+        assert all(a is b for a, b in zip(got, (x, idx, w)))
+    with pytest.raises(ValueError, match=r"\(rows \[N, d\] floating, expert ids \[N, k\] integer.*\(3, 2\) "
+                                         r"torch.float32, \(3, 2\) torch.float32"):
+        hf_moe._call_args(m, (x, idx.float(), w), {})
 
 
 def test_code_that_needs_all_experts_is_refused_at_its_ep_degree():

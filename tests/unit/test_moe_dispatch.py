@@ -126,19 +126,36 @@ def test_dropless_pipeline_matches_eager(schedule, recompute):
     assert pm.metrics["moe_max_receive_rows"] == 2 * 2 * 3  # microbatch of 2 x 3 tokens, top-2
 
 
-def test_receive_bound_names_the_layer_and_the_counts():
+def test_over_the_priced_ratio_warns_and_the_hard_limit_fails(caplog, monkeypatch):
+    """[source rank, expert] counts in which rank 0's experts (0, 1) get 7 + 5 + 6 + 2 = 20 rows
+    and rank 1's 4: 1.67x the mean 12. Over the priced 1.25x the dispatch goes on and warns
+    once per WARN_EVERY_S with the bytes beyond the price ((20 - 1.25 * 12) rows x 10 fp32
+    elements = 200 B); over the user's hard limit it raises, naming the layer and the counts."""
     spec = moe_dispatch._Experts(run=None, names=(), layer="model.layers.3.mlp", n_experts=4, flops_per_row=0,
-                                 saved_row_elems=0, receive_bound=1.25)
-    # [source rank, expert]: rank 0's experts (0, 1) get 7 + 5 + 6 + 2 = 20 rows, rank 1's get 4
+                                 saved_row_elems=10, priced=1.25)
     table = torch.tensor([[7, 5, 0, 0], [6, 2, 3, 1]])
+    clock = [1000.0]
+    monkeypatch.setattr(moe_dispatch.time, "monotonic", lambda: clock[0])
+    with caplog.at_level("WARNING", logger="autopar"):
+        for _ in range(3):
+            assert moe_dispatch._check_bound(spec, table, ep=2, n_local=2, row_bytes=40) == [20, 4]
+        clock[0] += moe_dispatch.WARN_EVERY_S
+        moe_dispatch._check_bound(spec, table, ep=2, n_local=2, row_bytes=40)
+    lines = [r.getMessage() for r in caplog.records if "model.layers.3.mlp" in r.getMessage()]
+    assert len(lines) == 2, lines  # the first, then one after WARN_EVERY_S counting the 3 since
+    assert "received 20 routed rows, 1.67x the mean 12.0" in lines[0] and "1.25x" in lines[0], lines[0]
+    assert f"{200 / 2**20:.1f} MiB" in lines[0] and "(1 such dispatch" in lines[0] and "(3 such" in lines[1], lines
+    assert (spec.stats.calls, spec.stats.over, spec.stats.max_rows) == (4, 4, 20)
+    spec.receive_bound = 1.5
     with pytest.raises(moe_dispatch.ReceiveBoundError, match=r"model\.layers\.3\.mlp.*rank 0 would receive 20 routed "
                                                              r"rows, 1\.67x the mean 12\.0 \(per-rank receives "
-                                                             r"\[20, 4\]\).*1\.25x"):
+                                                             r"\[20, 4\]\).*hard limit of 1\.5x"):
         moe_dispatch._check_bound(spec, table, ep=2, n_local=2)
     spec.receive_bound = 2.0
     assert moe_dispatch._check_bound(spec, table, ep=2, n_local=2) == [20, 4]
-    with pytest.raises(ValueError, match="moe_imbalance=0.5 must be a number >= 1"):
-        autopar.Plan(moe_imbalance=0.5)
+    for field in ("moe_imbalance", "moe_receive_limit"):
+        with pytest.raises(ValueError, match=f"{field}=0.5 must be a number >= 1"):
+            autopar.Plan(**{field: 0.5})
 
 
 def test_per_row_costs_are_the_experts_gemms():
