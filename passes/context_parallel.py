@@ -120,6 +120,7 @@ from torch._guards import detect_fake_mode
 
 from .capture import CapturedGraph
 from .costs import annotate_costs
+from .provenance import source_of
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -1099,26 +1100,8 @@ def _where(node: fx.Node) -> str:
     return f"{node.name} ({path})" if path else node.name
 
 
-def _source(node: fx.Node) -> str:
-    """The innermost frame of the user's code that made `node` ("file:line: code"), or ''."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = trace.strip().splitlines()
-    best = ""
-    for i, line in enumerate(lines):
-        line = line.strip()
-        if line.startswith("File ") and "autopar/passes/capture.py" not in line:
-            try:
-                path = line.split('"')[1]
-                lineno = line.split(", line ")[1].split(",")[0]
-            except IndexError:
-                continue
-            code = lines[i + 1].strip() if i + 1 < len(lines) and not lines[i + 1].strip().startswith("File ") else ""
-            best = f"{path}:{lineno}: `{code}`"
-    return best
-
-
 def _error(node: fx.Node, why: str) -> ValueError:
-    src = _source(node)
+    src = source_of(node)
     at = f" [node {node.name}" + (f", from {src}" if src else "") + "]"
     return ValueError(f"autopar: context parallelism cannot rewrite this graph: {why}.{at}")
 

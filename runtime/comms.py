@@ -78,6 +78,13 @@ def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def all_gather_object(obj, group=None) -> list:
+    """Every group member's picklable ``obj``, in group rank order (small build-time exchanges)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, src: int, group=None):
     return dist.broadcast(tensor, src=src, group=group)
 

@@ -24,7 +24,7 @@ from autopar.passes.program import StageInfo, StageProgram
 from autopar.schedules.ir import forward_only
 from autopar.schedules.lower import lower
 
-from . import comms
+from . import boundary, comms
 from .actions import interpret
 from .boundary import input_wires
 from .codegen import compile_step, generate_source
@@ -80,6 +80,11 @@ class DistributedPipeline:
         self._out_wires = {s: input_wires(programs[s + 1].stage) for s in self.my_stages
                            if s + 1 < schedule.num_stages and self.owner[s + 1] != mesh.pp_rank}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
+        # the shape and dtype each gradient this rank sends must have: what its receiver expects
+        self._grad_out_specs = {s: _grad_specs(programs[s - 1]) for s in self.my_stages
+                                if s > 0 and self.owner[s - 1] != mesh.pp_rank}
+        if mesh.pp > 1:
+            self._check_boundaries()
         # wait key -> this rank's sends known complete once it was taken (training steps; an
         # evaluation's forward-only sends are waited on at its end)
         self._release = release_points(lowered.actions, schedule.stage_to_rank, mesh.pp_rank)
@@ -105,6 +110,34 @@ class DistributedPipeline:
                 else:
                     self._recv_first.append(key)
                 last[peer] = key
+
+    def _check_boundaries(self) -> None:
+        """Before any message: every pipeline rank of the replica tells the others what it will
+        send across each boundary (its programs' traced results) and what it was built to
+        receive (its receive buffers); any disagreement in names, order, shape or dtype is a
+        ValueError on every rank, naming the boundary, the tensor, both sides and the source
+        line that made it (instead of a receive that gloo aborts the process on)."""
+        me = self.mesh.rank
+        sends, expects = {}, {}
+        for s in self.my_stages:
+            prog = self.programs[s]
+            if s in self._out_wires:
+                sends["F", s] = boundary.sent_activations(prog, self._out_wires[s])
+            if s > 0 and self.owner[s - 1] != self.mesh.pp_rank:
+                names = tuple(self._grad_out_specs[s])
+                sends["B", s] = boundary.sent_gradients(prog, names)
+                peer = self.mesh.global_rank(self.owner[s - 1])
+                expects["F", s - 1, peer] = boundary.expected({n: (w.shape, w.dtype)
+                                                               for n, w in self._in_wires[s].items()})
+            if s + 1 < self.schedule.num_stages and self.owner[s + 1] != self.mesh.pp_rank:
+                peer = self.mesh.global_rank(self.owner[s + 1])
+                expects["B", s + 1, peer] = boundary.expected(self._grad_specs[s])
+        mine = (me, {k: v for k, v in sends.items() if v is not None}, expects)
+        everyone = comms.all_gather_object(mine, group=self.mesh.pp_group)
+        bad = boundary.mismatches({r: snd for r, snd, _e in everyone}, {r: exp for r, _s, exp in everyone})
+        if bad:
+            raise ValueError("autopar: the pipeline ranks disagree on what crosses a stage boundary (found before "
+                             "any message was sent):\n  " + "\n  ".join(bad))
 
     # -- one step ----------------------------------------------------------------------------
     # The step is a sequence of calls to the primitives below, one (or two: a wait, then the
@@ -231,17 +264,29 @@ class DistributedPipeline:
         outs = self.work.take_outputs(s, k)
         wires = self._out_wires[s]
         tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(wires))]
+        packed = [w.pack(outs[n]) for n, w in wires.items()]
+        self._check_sent(s, s + 1, "activations", packed, {n: (w.shape, w.dtype) for n, w in wires.items()})
         with self.comm.launch():
-            self._hold_send(("F", s, k), comms.isend([w.pack(outs[n]) for n, w in wires.items()],
-                                                     self.mesh.global_rank(self.owner[s + 1]), tags))
+            self._hold_send(("F", s, k), comms.isend(packed, self.mesh.global_rank(self.owner[s + 1]), tags))
 
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
-        names = self.programs[s - 1].diff_outputs
-        tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(names))]
+        specs = self._grad_out_specs[s]
+        tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(specs))]
+        grads = [gin[n] for n in specs]
+        self._check_sent(s, s - 1, "input gradients", grads, specs)
         with self.comm.launch():
-            self._hold_send(("B", s, k), comms.isend([gin[n] for n in names],
-                                                     self.mesh.global_rank(self.owner[s - 1]), tags))
+            self._hold_send(("B", s, k), comms.isend(grads, self.mesh.global_rank(self.owner[s - 1]), tags))
+
+    def _check_sent(self, s: int, to: int, what: str, tensors: list, specs: dict) -> None:
+        """A message must be what its receiver allocated: a runtime value that differs from
+        its traced one is a ValueError here, on the sender, never a receive gloo aborts on."""
+        for t, (name, (shape, dtype)) in zip(tensors, specs.items()):
+            if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                raise ValueError(f"autopar: pipeline boundary stage {s} -> stage {to} ({what}): tensor {name!r} is "
+                                 f"{list(t.shape)} {t.dtype} at run time, but the receiver was built for "
+                                 f"{list(shape)} {dtype} (the traced value); the stage's program computes another "
+                                 "shape than it was traced with: report it with the model")
 
     def forward(self, s: int, k: int) -> None:
         self.at(f"running {s}F{k}")
