@@ -342,7 +342,7 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
     return shards
 
 
-_EP_ATTRS = ("ep", "ep_rank", "ep_group", "ep_experts", "ep_local", "_autopar_dispatch_key")
+_EP_ATTRS = ("ep", "ep_rank", "ep_group", "ep_experts", "ep_local", "_autopar_dispatch_key", "_autopar_dispatch")
 
 
 @contextlib.contextmanager
@@ -354,7 +354,8 @@ def dispatch_form(model: nn.Module):
     routed rows. So a user's MoE model is captured with the dispatch op the runtime runs under
     EP, and the planner prices it from that op (planner/profile.py ``_routed_of``) exactly as
     the presets and ``autopar.nn.MoE(capacity_factor=None)``. The module's class and attributes
-    are restored on exit (its dispatch registration stays: the captured graph reads the key). At ep = 1 the runtime
+    are restored on exit (its dispatch registration stays, owned by the module as
+    ``_autopar_dispatch_form``: the captured graph reads the key). At ep = 1 the runtime
     runs the module's own implementation instead (grouped_mm: the same rows and FLOPs; W's
     re-walk of the op is priced on top, planner/estimate.py)."""
     _ours, found, _refused = _scan(model)
@@ -376,6 +377,9 @@ def dispatch_form(model: nn.Module):
         yield
     finally:
         for experts, (cls, attrs) in reversed(undo):
+            # the captured graph's key must keep finding its entry: the module keeps it (the
+            # dispatch registry only holds entries weakly)
+            experts.__dict__["_autopar_dispatch_form"] = experts.__dict__.get("_autopar_dispatch")
             experts.__class__ = cls
             for a in _EP_ATTRS:
                 experts.__dict__.pop(a, None)

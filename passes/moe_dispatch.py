@@ -50,12 +50,15 @@ In a fused backward (B: W right behind I, and eager autograd) the input-gradient
 private graph once for every gradient and the weight-gradient op returns the parameters' share
 (``fused_backward``).
 
-What travels from F to I and W inside the graph is a scalar int64 *handle* (CPU); the dynamic
-state (received rows, the private graph, splits) lives in a per-process table keyed by it,
-removed by W (or by I when no expert parameter is trained). ``clear()`` drops what a failed
-step left behind. The state's bytes are what the planner prices per routed row
-(``routed_info``); ``receive_stats()`` is the largest receive since the last ``reset_stats()``
-against the mean, for ``pm.metrics``.
+What travels from F to I and W inside the graph is a scalar int64 *handle* (CPU) that carries
+its experts module's key; the dynamic state (received rows, the private graph, splits) lives
+in that module's entry (``_Experts.states``), removed by W (or by I when no expert parameter is
+trained). The entry belongs to the module (``module._autopar_dispatch``); the registry that
+finds it by key is weak, so two models in one process never share states or statistics and a
+freed model takes its entries with it. ``clear(keys)`` drops what a failed step of one model
+left behind. The state's bytes are what the planner prices per routed row (``routed_info``);
+``receive_stats(keys)`` is the largest receive since the last ``reset_stats(keys)`` against the
+mean, for ``pm.metrics``.
 
 With ``ep == 1`` (no group) no communication happens: a dropless single-process MoE.
 """
@@ -65,6 +68,7 @@ import contextlib
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -112,11 +116,20 @@ class _Experts:
     stats: _Receives = field(default_factory=_Receives)
     warned_at: float = float("-inf")  # time.monotonic() of the last over-priced warning
     unwarned: int = 0  # over-priced dispatches since that warning
+    states: dict = field(default_factory=dict)  # handle -> _State: this module's dispatches in flight
+    key: int = 0
+
+    def __deepcopy__(self, memo):
+        return self  # copies of an experts module share its entry (the graph passes the values)
 
 
-_REGISTRY: dict[int, _Experts] = {}
+# key -> the entry its experts module holds (``module._autopar_dispatch``): weak, so an entry, its
+# dispatch states and statistics live exactly as long as the model that owns them. The graph ops
+# find their module's entry by the key they carry; a handle carries its key in its high bits.
+_REGISTRY: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _KEYS = itertools.count(1)
 _HANDLES = itertools.count(1)
+_KEY_SHIFT = 32
 
 
 @dataclass
@@ -154,7 +167,24 @@ class _State:
         return out
 
 
-_STATE: dict[int, _State] = {}
+
+
+def _entry(key: int) -> _Experts:
+    spec = _REGISTRY.get(key)
+    if spec is None:
+        raise RuntimeError(f"autopar: MoE dispatch key {key}: its experts module is gone (the model that registered "
+                           "it was freed while a graph that runs it is still in use)")
+    return spec
+
+
+def _release(handle) -> None:
+    _state(handle, pop=True).release()
+
+
+def _state(handle, pop: bool = False) -> _State:
+    h = int(handle)
+    states = _entry(h >> _KEY_SHIFT).states
+    return states.pop(h) if pop else states[h]
 _FUSED = [False]  # a fused backward (B) runs: the input-gradient op computes the weight gradients too
 
 
@@ -177,8 +207,10 @@ def register_experts(module, run: Callable, params: dict, layer: str, n_experts:
     weights [M]) -> [M, d]`` over its parameters ``params`` (name -> tensor, in the order the op
     will take their values); returns the key ``dropless_experts`` takes. Its per-row FLOPs and
     saved bytes (what the planner prices) are measured here on fake tensors. The module keeps
-    the key as ``_autopar_dispatch_key``; copies of it share the entry (held strongly: the
-    parameter values always come from the graph). ``probe_experts``: measure on the first that
+    the key as ``_autopar_dispatch_key`` and owns the entry (``_autopar_dispatch``: its runner,
+    receive ratios, statistics and dispatch states), which the registry holds weakly, so it
+    dies with the model; copies of the module share the entry (the parameter values always
+    come from the graph). ``probe_experts``: measure on the first that
     many experts only (a runner whose per-row cost does not depend on the expert count, such as
     ``GroupedExperts.run_rows``: 256 experts probe in ~1 s, 2 in milliseconds)."""
     first = next(iter(params.values()))
@@ -191,18 +223,20 @@ def register_experts(module, run: Callable, params: dict, layer: str, n_experts:
         log.info("moe_dispatch: %s: per-row costs from its weights (%d FLOPs, %d saved elements a row): the fake "
                  "probe raised %s", layer, flops, saved, type(e).__name__)
     key = next(_KEYS)
-    _REGISTRY[key] = _Experts(run, tuple(params), layer, int(n_experts), flops, saved)
+    spec = _Experts(run, tuple(params), layer, int(n_experts), flops, saved, key=key)
+    _REGISTRY[key] = spec
+    module._autopar_dispatch = spec  # the module owns its entry (the registry only finds it)
     module._autopar_dispatch_key = key
     return key
 
 
 def set_layer_name(module, layer: str) -> None:
-    _REGISTRY[module._autopar_dispatch_key].layer = layer
+    _entry(module._autopar_dispatch_key).layer = layer
 
 
 def registered_names(module) -> tuple[str, ...]:
     """The parameter names, in the order the op takes their values, of a registered module."""
-    return _REGISTRY[module._autopar_dispatch_key].names
+    return _entry(module._autopar_dispatch_key).names
 
 
 def module_runner(module, call: Callable) -> Callable:
@@ -267,7 +301,7 @@ def set_receive_policy(module, priced: float | None, limit: float | None = None)
     for name, factor in (("moe_imbalance", priced), ("moe_receive_limit", limit)):
         if factor is not None and not factor >= 1:
             raise ValueError(f"autopar: {name}={factor!r}: a receive ratio is a multiple of the mean receive, >= 1")
-    spec = _REGISTRY[module._autopar_dispatch_key]
+    spec = _entry(module._autopar_dispatch_key)
     spec.priced, spec.receive_bound = priced, limit
 
 
@@ -297,12 +331,15 @@ def reset_stats(keys=None) -> None:
 def clear(keys=None) -> None:
     """Drop the live dispatch states (what a failed or forward-only step left behind) of the
     experts modules ``keys`` (None: of every model in this process)."""
-    for handle in [h for h, st in _STATE.items() if keys is None or st.key in keys]:
-        _STATE.pop(handle).release()
+    for spec in _specs(keys):
+        for st in spec.states.values():
+            st.release()
+        spec.states.clear()
 
 
-def live_handles() -> int:
-    return len(_STATE)
+def live_handles(keys=None) -> int:
+    """Dispatch states in flight of the experts modules ``keys`` (None: of every model)."""
+    return sum(len(spec.states) for spec in _specs(keys))
 
 
 @contextlib.contextmanager
@@ -393,7 +430,7 @@ def _check_bound(spec: _Experts, table: torch.Tensor, ep: int, n_local: int, row
 def _send(x, ids, weights, key, group, ep, n_local):
     """Dispatch, started: counts exchanged (and the bound checked), the rows and their routing
     weights on their way (async); a new handle."""
-    spec = _REGISTRY[key]
+    spec = _entry(key)
     k = ids.shape[1]
     pg = _group(group) if ep > 1 else None
     me = pg.rank() if pg is not None else 0
@@ -410,8 +447,8 @@ def _send(x, ids, weights, key, group, ep, n_local):
                 mine.sum(dim=0).tolist())
     _all_to_all(st, "rows", x.index_select(0, torch.div(order, k, rounding_mode="floor")), st.recv, st.send, pg)
     _all_to_all(st, "weights", weights.reshape(-1).index_select(0, order), st.recv, st.send, pg)
-    handle = next(_HANDLES)
-    _STATE[handle] = st
+    handle = (key << _KEY_SHIFT) | next(_HANDLES)
+    spec.states[handle] = st
     return torch.tensor(handle, dtype=torch.int64)
 
 
@@ -419,7 +456,7 @@ def _experts(handle, params, key, group, ep, recompute):
     """The received rows through the local experts (private autograd graph; with ``recompute``
     none: only the rows and their weights are kept, and I runs the experts again); the
     combine started."""
-    spec, st = _REGISTRY[key], _STATE[int(handle)]
+    spec, st = _entry(key), _state(handle)
     got = st.wait()
     if recompute:
         with torch.no_grad():
@@ -458,7 +495,7 @@ def _private_graph(spec, st, params, rows, w):
 
 def _combine(x, ids, handle):
     """Every row back at its token's rank: each token's k rows summed in choice order."""
-    st = _STATE[int(handle)]
+    st = _state(handle)
     back = st.wait()["back"]
     n, k = ids.shape
     per_assignment = torch.empty_like(back).index_copy_(0, st.order, back)
@@ -467,7 +504,7 @@ def _combine(x, ids, handle):
 
 def _grad_send(grad_y, handle, ids, group, ep):
     """I, started: each assignment's output gradient (its token's) on its way to the expert's rank."""
-    st = _STATE[int(handle)]
+    st = _state(handle)
     k = ids.shape[1]
     g_send = grad_y.index_select(0, torch.div(st.order, k, rounding_mode="floor")).to(st.rows.dtype)
     _all_to_all(st, "grad_rows", g_send, st.recv, st.send, _group(group) if ep > 1 else None)
@@ -477,9 +514,9 @@ def _grad_send(grad_y, handle, ids, group, ep):
 def _grad_input(handle, params, key, group, ep, last):
     """The received rows' and routing weights' gradients (and, in a fused backward, the
     parameters'); their return started. A recomputing dispatch first runs its experts again."""
-    st = _STATE[int(handle)]
+    st = _state(handle)
     if st.recompute:
-        _private_graph(_REGISTRY[key], st, params, st.rows, st.weights)
+        _private_graph(_entry(key), st, params, st.rows, st.weights)
     g_rows = st.wait()["grad_rows"]
     fuse = _FUSED[0] and not last and bool(st.params)
     with _autograd_inside():
@@ -504,7 +541,7 @@ def _grad_input(handle, params, key, group, ep, last):
 
 def _grad_combine(handle, grad_y, ids, weights, last):
     """The tokens' and routing weights' gradients: each token's rows summed."""
-    st = _STATE[int(handle)] if not last else _STATE.pop(int(handle))
+    st = _state(handle, pop=last)
     got = st.wait()
     if last:
         st.release()
@@ -516,7 +553,7 @@ def _grad_combine(handle, grad_y, ids, weights, last):
 
 
 def _grad_weight(handle, params):
-    st = _STATE.pop(int(handle))
+    st = _state(handle, pop=True)
     consumers = st.extra.get("consumers")
     with _autograd_inside():
         if not (st.out.numel() and st.params):
@@ -720,12 +757,29 @@ def dropless_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, 
     params = list(params)
     h = ops.moe_dispatch_send(x.detach(), ids, weights.detach(), key, group, ep, n_local)
     h = ops.moe_dispatch_experts(h, [p.detach() for p in params], key, group, ep)
-    y, _handle = ops.moe_dispatch(x, ids, weights, params, key, group, ep, n_local, h)
+    y, handle = ops.moe_dispatch(x, ids, weights, params, key, group, ep, n_local, h)
+    if not torch.compiler.is_compiling() and not y.requires_grad:
+        # eager with no backward to come (no_grad, evaluation): nothing will read the state
+        _release(handle)
     return y
 
 
 def is_dispatch_node(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in FORWARD_OPS + BACKWARD_OPS
+
+
+# the position of the experts module's key among each op's arguments
+_KEY_ARG = {FORWARD_OPS[0]: 3, FORWARD_OPS[1]: 2, FORWARD_OPS[2]: 4, BACKWARD_OPS[1]: 3, BACKWARD_OPS[3]: 3}
+
+
+def pin_entries(gm: fx.GraphModule) -> None:
+    """Every dispatch node of ``gm`` keeps its experts module's entry alive in its meta (copied
+    with the node into stage graphs), so a graph that runs or prices a dispatch finds its entry
+    as long as the graph lives, whoever owns the module."""
+    for node in gm.graph.nodes:
+        i = _KEY_ARG.get(node.target) if node.op == "call_function" else None
+        if i is not None and len(node.args) > i:
+            node.meta["autopar_dispatch_entry"] = _entry(node.args[i])
 
 
 # -- what the planner prices ----------------------------------------------------------------------------------------
@@ -750,7 +804,7 @@ def routed_info(node: fx.Node) -> RoutedInfo | None:
     if node.op != "call_function" or node.target not in DISPATCH_OPS:
         return None
     x, ids = node.args[0].meta["val"], node.args[1].meta["val"]
-    spec = _REGISTRY[node.args[4]]
+    spec = _entry(node.args[4])
     item = x.element_size()
     rows = int(ids.numel())
     windows = node.meta.get("autopar_moe_overlap", {})
@@ -770,9 +824,9 @@ def dispatch_flops(target, args) -> int | None:
     elif target is BACKWARD_OPS[1]:
         ids, key = args[1], args[3]
     elif target is BACKWARD_OPS[3]:
-        return int(args[1].numel()) * _REGISTRY[args[3]].flops_per_row * 3 // 2
+        return int(args[1].numel()) * _entry(args[3]).flops_per_row * 3 // 2
     elif target in FORWARD_OPS + BACKWARD_OPS:
         return 0
     else:
         return None
-    return int(ids.numel()) * _REGISTRY[key].flops_per_row
+    return int(ids.numel()) * _entry(key).flops_per_row

@@ -11,6 +11,7 @@ with dp = 1, buffers) to fp32 tolerance.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -76,7 +77,9 @@ def eager_reference(
     ``(loss_fn(model(*x_mb), y_mb) / n_total).backward()``; then ``optimizer.step()``;
     ``optimizer.zero_grad()``. The same global batch is used at every step.
 
-    Works on a deep copy of ``model`` (the caller's model is not touched). ``loss_fn=None``
+    Works on a deep copy of ``model`` (the caller's model is not touched) in which every
+    ``autopar.nn.MoE`` block is its plain-PyTorch twin (``plain_moe``): no reference runs
+    autopar code. ``loss_fn=None``
     means the model output is the loss (``target`` is then ignored). ``optimizer_factory``
     takes an iterable of parameters, e.g. ``functools.partial(torch.optim.SGD, lr=0.1)``.
 
@@ -89,7 +92,7 @@ def eager_reference(
     scaled microbatch losses of step ``s``; ``state`` is ``{fqn: tensor.clone()}`` of the final
     ``state_dict()`` including buffers.
     """
-    model = copy.deepcopy(model)
+    model = plain_moe(model)
     n_total = dp * num_microbatches
     x_mbs = _split_tree(tuple(inputs), dp, num_microbatches)
     y_mbs = (_split_tree(target, dp, num_microbatches) if loss_fn is not None
@@ -137,9 +140,9 @@ def eager_mixed_reference(model: nn.Module, inputs: tuple, target: Any, loss_fn,
     forward and backward; its parameter gradients are accumulated in fp32 over the microbatches;
     the optimizer steps fp32 masters (the model as given), which are cast into the compute copy
     after each step. Returns (losses as fp32 sums of the scaled microbatch losses, the masters'
-    state with the compute copy's buffers)."""
-    masters = copy.deepcopy(model)
-    compute = copy.deepcopy(model)
+    state with the compute copy's buffers). MoE blocks as in ``eager_reference``."""
+    masters = plain_moe(model)
+    compute = plain_moe(model)
     for p in compute.parameters():
         if p.is_floating_point():
             p.data = p.data.to(param_dtype)
@@ -242,3 +245,117 @@ def assert_close_state(actual: dict, expected: dict, rtol: float = 1e-5, atol: f
                 f"{key}: not close (rtol={rtol}, atol={atol}): {n_bad}/{e.numel()} elements off, "
                 f"max abs err {max_abs:.3e}, max rel err {max_rel:.3e}"
                 f"{'; NaN/inf pattern differs' if not nonfinite_ok else ''}{where}")
+
+
+# -- MoE blocks as plain PyTorch (the EP tests' references never call autopar code) -------------
+
+
+class _PlainExperts(nn.Module):
+    """``E`` SwiGLU experts as stacked weights (the parameter names of ``GroupedExperts``)."""
+
+    def __init__(self, w1, w3, w2):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+                                     for w in (w1, w3, w2))
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return (torch.nn.functional.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
+
+
+class _PlainSwiGLU(nn.Module):
+    def __init__(self, src):
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Linear(lin.in_features, lin.out_features, bias=False) for lin in
+                                     (src.w1, src.w2, src.w3))
+        with torch.no_grad():
+            for mine, theirs in ((self.w1, src.w1), (self.w2, src.w2), (self.w3, src.w3)):
+                mine.weight.copy_(theirs.weight)
+
+    def forward(self, x):
+        return self.w2(torch.nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class PlainMoE(nn.Module):
+    """The semantics of an ``autopar.nn.MoE`` written out in plain PyTorch, with the same
+    parameter and buffer names (so states compare by FQN): a router ``Linear``; softmax (or
+    sigmoid, normalized for the balance loss) scores; optional selection bias and group-limited
+    selection for choosing only; top-k; gates renormalized and scaled; with a static capacity
+    ``min(N, ceil(N k / E * capacity_factor))`` (at least 1) an assignment beyond its expert's
+    capacity, counted choice-major (every token's first choice before any second), is dropped;
+    each expert on the rows that chose it, gate-weighted and added back to their tokens (a
+    Python loop over experts, as transformers' eager MoE); the shared expert added; the Switch
+    load-balance loss ``w * E * sum(frac * mean probs)`` over all assignments (before dropping)."""
+
+    def __init__(self, moe):
+        super().__init__()
+        for a in ("n_experts", "top_k", "aux_loss_weight", "score_func", "norm_topk_prob", "route_scale", "n_groups",
+                  "topk_groups", "capacity_factor"):
+            setattr(self, a, getattr(moe, a))
+        self.router = nn.Linear(moe.router.in_features, moe.router.out_features, bias=False)
+        with torch.no_grad():
+            self.router.weight.copy_(moe.router.weight)
+        e = moe.experts
+        self.experts = _PlainExperts(e.w1, e.w3, e.w2)
+        self.shared_expert = _PlainSwiGLU(moe.shared_expert) if moe.shared_expert is not None else None
+        bias = getattr(moe, "e_score_correction_bias", None)
+        if bias is not None:
+            self.register_buffer("e_score_correction_bias", bias.detach().clone())
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        logits = self.router(xf).float()
+        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_groups > 1:
+            n, e = choice.shape
+            per = e // self.n_groups
+            group_score = choice.view(n, self.n_groups, per).topk(min(2, per), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_score).scatter(1, group_score.topk(self.topk_groups, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(keep.repeat_interleave(per, dim=1) == 0, float("-inf"))
+        ids = choice.topk(self.top_k, dim=-1).indices
+        gates = scores.gather(1, ids)
+        if self.norm_topk_prob and self.top_k > 1:
+            gates = gates / gates.sum(-1, keepdim=True)
+        gates = gates * self.route_scale
+        n_tok = xf.shape[0]
+        kept = [[True] * self.top_k for _ in range(n_tok)]
+        if self.capacity_factor is not None:
+            cap = max(1, min(n_tok, math.ceil(n_tok * self.top_k / self.n_experts * self.capacity_factor)))
+            used = [0] * self.n_experts
+            for j in range(self.top_k):
+                for n in range(n_tok):
+                    e = int(ids[n, j])
+                    kept[n][j] = used[e] < cap
+                    used[e] += 1
+        # the experts one at a time over the rows that chose them (transformers' eager MoE loop):
+        # each expert's rows in one GEMM, gate-weighted, added back to their tokens
+        y = xf.new_zeros(xf.shape)
+        for e in range(self.n_experts):
+            pairs = [(n, j) for n in range(n_tok) for j in range(self.top_k) if kept[n][j] and int(ids[n, j]) == e]
+            if not pairs:
+                continue
+            tok = torch.tensor([n for n, _j in pairs])
+            choice = torch.tensor([j for _n, j in pairs])
+            out = self.experts.expert(e, xf[tok]) * gates[tok, choice].to(xf.dtype).unsqueeze(1)
+            y = y.index_add(0, tok, out)
+        if self.shared_expert is not None:
+            y = y + self.shared_expert(xf)
+        frac = torch.stack([(ids == e).sum() for e in range(self.n_experts)]).float() / ids.numel()
+        aux = self.aux_loss_weight * self.n_experts * (frac * probs.mean(0)).sum()
+        return y.reshape(x.shape), aux
+
+
+def plain_moe(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in which every ``autopar.nn.MoE`` block is a ``PlainMoE`` holding
+    copies of its parameters under the same names: the eager reference of the EP tests."""
+    from autopar.nn import MoE
+
+    ref = copy.deepcopy(model)
+    for name, mod in list(ref.named_modules()):
+        for child_name, child in list(mod.named_children()):
+            if isinstance(child, MoE):
+                setattr(mod, child_name, PlainMoE(child).to(next(child.parameters()).dtype))
+    return ref

@@ -210,6 +210,10 @@ ZERO = {2: [("dp2 ep2 zero1", _zplan(2, 1), None, "fp32"),
 # tensor (measured <= 3.5e-4; the fp32 run is up to 2e-2 away) and elementwise within half an
 # AdamW step at lr=1e-2 (an element whose gradient is about zero moves by bf16 rounding's sign)
 MIXED_RTOL, MIXED_ATOL, MIXED_L2 = 1e-3, 5e-3, 1e-3
+# the bf16 gradient norms: the plain-PyTorch reference runs each expert's GEMM on another grouping
+# of rows than the ranks do (other kernels, other bf16 rounding of the expert gradients); measured
+# 1.4e-3 at dp=4 x ep=2 dropless
+MIXED_NORM_RTOL = 3e-3
 # moe_ep (tests/models.MoEBlocksNet): 2 MoE layers of E=4 experts, w1 and w3 [E, 16, 24], w2 [E, 24, 16]
 MOE_EP_EXPERT_ELEMENTS = 2 * 3 * E * D * H
 
@@ -329,8 +333,11 @@ SUBCASES = {"eager": _sub_eager, "captured": _sub_captured, "group_mismatch": _s
 def _ranks(rank, world):
     import traceback
 
+    from tests.reference import plain_moe
+
     net_full = _make_net()
-    refs = [_eager(net_full, *_batch(r)) for r in range(world)]  # the single-process oracle
+    oracle = plain_moe(net_full)  # plain PyTorch, every expert in one process
+    refs = [_eager(oracle, *_batch(r)) for r in range(world)]  # the single-process oracle
     x, t = _batch(rank)
     out = {}
     for name, fn in SUBCASES.items():
@@ -432,7 +439,7 @@ def _check_zero(results, world):
                     assert min(float(n) for n in norms) > clip, "the clip never bites"
                     for got, want in zip(res["norms"], norms):
                         torch.testing.assert_close(torch.tensor(got), want.float(),
-                                                   rtol=1e-5 if variant == "fp32" else rtol, atol=0)
+                                                   rtol=1e-5 if variant == "fp32" else MIXED_NORM_RTOL, atol=0)
                 # this rank's E/ep experts, 1/group of their elements (no padding: 4608/2 is whole)
                 assert res["expert_state"] == MOE_EP_EXPERT_ELEMENTS // plan["ep"] // group, (r, res["expert_state"])
                 assert not res["mixed"], f"rank {r}: expert and dense parameters share a shard: {res['mixed']}"

@@ -44,6 +44,14 @@ pytestmark = pytest.mark.slow
 
 MODELS = ("mixtral", "qwen3_moe", "deepseek_v3")
 BATCH, SEQ, LR = 8, 8, 1.0
+# the dropless LM's experts are scaled up (so they matter against the residual): at LR its loss
+# diverges to ~1e22 by the second step, where fp32 op order alone differs by 1e-5 between an
+# independent reference and autopar; at this rate it trains
+LR_DROPLESS = 0.05
+
+
+def lr_of(name: str) -> float:
+    return LR_DROPLESS if name == "dropless" else LR
 PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3, moe_imbalance=1.25),
          4: dict(pp=2, dp=2, ep=2, schedule="dualpipev", num_microbatches=4, zero=1)}
 WORLD_MODELS = {2: MODELS + ("custom", "dropless", "gpt_oss", "deepseek_v3 limit"),
@@ -246,7 +254,7 @@ def _train_all(rank, world, names):
         try:
             case = make_case(name)
             pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
-                                     optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                                     optimizer=functools.partial(torch.optim.SGD, lr=lr_of(name)),
                                      plan=autopar.Plan(**plan_of(world, name)), example_target=case.target)
             ep = pm.built.parallelisms["ep"]
             with _recording_all_to_alls() as wire:
@@ -348,7 +356,8 @@ def _reference(name: str, dp: int, m: int):
     case = make_case(name)
     init = state_copy(case.model)
     losses, state = eager_reference(case.model, case.inputs, case.target, case.loss_fn,
-                                    functools.partial(torch.optim.SGD, lr=LR), dp=dp, num_microbatches=m, steps=2)
+                                    functools.partial(torch.optim.SGD, lr=lr_of(name)), dp=dp, num_microbatches=m,
+                                    steps=2)
     return losses, state, init
 
 

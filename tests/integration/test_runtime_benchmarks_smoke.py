@@ -222,8 +222,8 @@ def test_ep_dispatch_runs():
     per direction, a hand count."""
     tokens, d, experts, k = 32, 8, 4, 2
     out = _run("ep_dispatch.py", ["--tokens", str(tokens), "--d-model", str(d), "--hidden", "16", "--experts",
-                                  str(experts), "--top-k", str(k), "--rounds", "2", "--steps", "1"])
-    agree = re.search(r"^outputs agree to (\S+)$", out, re.M)
+                                  str(experts), "--top-k", str(k), "--rounds", "2", "--steps", "1", "--no-target"])
+    agree = re.search(r"^outputs and gradients agree to (\S+) \(relative; target <= 1e-05\): PASS$", out, re.M)
     assert agree and float(agree.group(1)) <= 1e-5, out
     rows = {name: [float(v) for v in kib.split(", ")]
             for name, kib in re.findall(rf"^(autopar|worst-case|reference)\s+{NUM}\s+(\S+, \S+)$", out, re.M)}

@@ -1,7 +1,7 @@
-"""passes/moe_dispatch: the dropless experts op equals a per-token brute force (every token's k
-experts, whatever the routing), keeps its I/W split through capture and pipelining (recompute
-included) with nothing left behind, and its receive bound names the layer and the counts."""
-import copy
+"""passes/moe_dispatch: the dropless experts op equals a per-token brute force in plain PyTorch
+(tests/reference.py PlainMoE: every token's k experts, whatever the routing), keeps its I/W
+split through capture and pipelining (recompute included) with nothing left behind, and
+routing over the priced ratio warns while the user's hard limit names the layer and the counts."""
 import functools
 
 import pytest
@@ -12,19 +12,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.nn import MoE
 from autopar.passes import moe_dispatch
-
-
-def _brute_force(moe: MoE, x: torch.Tensor):
-    """Every token through each of its k experts by a Python loop, gate-weighted, + shared."""
-    xf = x.reshape(-1, x.shape[-1])
-    ids, gates, probs = moe.route(xf)
-    rows = [sum(gates[n, j] * moe.experts.expert(int(ids[n, j]), xf[n]) for j in range(moe.top_k))
-            for n in range(xf.shape[0])]
-    y = torch.stack(rows)
-    if moe.shared_expert is not None:
-        y = y + moe.shared_expert(xf)
-    onehot = (ids.reshape(-1, 1) == torch.arange(moe.n_experts)).long()
-    return y.reshape(x.shape), moe.balance_loss(onehot, probs)
+from tests.reference import PlainMoE, plain_moe
 
 
 @pytest.mark.parametrize("k, skew", [(2, False), (4, False), (2, True)])
@@ -38,20 +26,25 @@ def test_dropless_equals_brute_force(k, skew):
         with torch.no_grad():
             x[..., 0] = 1.0
             moe.router.weight[:2, 0] = 50.0
-    ref = copy.deepcopy(moe)
+    ref = PlainMoE(moe)  # plain PyTorch: a Python loop over the experts and the rows that chose them
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
     y, aux = moe(xa)
-    y_ref, aux_ref = _brute_force(ref, xb)
+    y_ref, aux_ref = ref(xb)
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(aux, aux_ref)
     (y.square().sum() + aux).backward()
     (y_ref.square().sum() + aux_ref).backward()
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6)
-    for (name, p), (_, q) in zip(moe.named_parameters(), ref.named_parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    theirs = dict(ref.named_parameters())
+    assert set(theirs) == {n for n, _p in moe.named_parameters()}
+    for name, p in moe.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     if skew:
         assert moe.route(x.reshape(-1, 8))[0].max() <= 1  # really only experts 0 and 1
-    assert moe_dispatch.live_handles() == 0
+    assert moe_dispatch.live_handles([moe.experts._autopar_dispatch_key]) == 0
+    with torch.no_grad():  # a forward with no backward to come (evaluation) keeps nothing either
+        moe(x)
+    assert moe_dispatch.live_handles([moe.experts._autopar_dispatch_key]) == 0
 
 
 class _Net(nn.Module):
@@ -78,8 +71,9 @@ def _loss(out, t):
 
 def _two_steps_equal_eager(net, plan, before_step=lambda: None):
     """Two SGD steps of ``parallelize(net, plan)`` (4 microbatches) equal eager gradient
-    accumulation over the same microbatches, and no dispatch state outlives a step."""
-    ref = copy.deepcopy(net)
+    accumulation over the same microbatches (of the plain-PyTorch reference: tests/reference.py
+    ``plain_moe``), and no dispatch state outlives a step."""
+    ref = plain_moe(net)
     x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
     pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1), plan, example_target=t)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
@@ -94,7 +88,7 @@ def _two_steps_equal_eager(net, plan, before_step=lambda: None):
             want += part.item()
         ref_opt.step()
         assert float(loss) == pytest.approx(want, rel=1e-5)
-        assert moe_dispatch.live_handles() == 0
+        assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
     state = pm.state_dict()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
@@ -179,7 +173,7 @@ def test_dispatch_chains_spread_over_independent_work():
     step equals eager."""
     torch.manual_seed(0)
     net = _Net()
-    ref = copy.deepcopy(net)
+    ref = plain_moe(net)
     x, t = torch.randn(4, 3, 6), torch.randn(4, 3, 3)
     pm = autopar.parallelize(net, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1),
                              autopar.Plan(pp=1, num_microbatches=1), example_target=t)
@@ -244,3 +238,60 @@ def test_dualpipev_units_interleave_their_dispatch_chains(monkeypatch):
     interleaved = sum(a == "_send" and b == "_grad_send" for a, b in zip(events, events[1:]))
     # run apart, an F's send is always followed by its own experts: only the units interleave
     assert 0 < interleaved <= 2 * units
+
+
+class _SmallNet(nn.Module):
+    """Another MoE model: one dropless block of 8 experts, top-1."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.moe = MoE(8, 12, 8, 1, capacity_factor=None, aux_loss_weight=0.05)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        y, aux = self.moe(h)
+        return self.head(h + y), aux
+
+
+def test_two_models_in_one_process_own_their_dispatch_state():
+    """Two ParallelModels of different MoE models step alternately (one at pp=2 zbv, W late):
+    each equals its plain-PyTorch eager run, each one's metrics count only its own dispatches
+    (2 + 1 blocks x 4 microbatches, and 1 x 4), neither leaves a state behind, and a freed model
+    takes its dispatch entries (runner, statistics, states) with it."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    nets = [_Net(), _SmallNet()]
+    plans = [autopar.Plan(pp=2, schedule="zbv", num_microbatches=4), autopar.Plan(pp=1, num_microbatches=4)]
+    refs = [plain_moe(n) for n in nets]
+    x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
+    pms = [autopar.parallelize(n, (x,), _loss, functools.partial(torch.optim.SGD, lr=0.1), p, example_target=t)
+           for n, p in zip(nets, plans)]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
+    for _ in range(2):
+        for pm, ref, opt, blocks in zip(pms, refs, opts, (2, 1)):
+            loss = pm.step((x,), t)
+            opt.zero_grad()
+            want = 0.0
+            for xm, tm in zip(x.chunk(4), t.chunk(4)):
+                part = _loss(ref(xm), tm) / 4
+                part.backward()
+                want += part.item()
+            opt.step()
+            assert float(loss) == pytest.approx(want, rel=1e-5)
+            assert pm.metrics["moe_max_receive_rows"] > 0
+            assert moe_dispatch.receive_stats(pm.built.moe_keys)["dispatches"] == blocks * 4
+            assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
+    for pm, ref in zip(pms, refs):
+        state = pm.state_dict()
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    key = nets[1].moe.experts._autopar_dispatch_key
+    alive = weakref.ref(nets[1].moe.experts._autopar_dispatch)
+    del pms[1], nets[1], opts, refs, pm, ref
+    gc.collect()
+    assert alive() is None and key not in moe_dispatch._REGISTRY
+    assert pms[0].step((x,), t) is not None  # the other model runs on
