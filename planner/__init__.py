@@ -14,7 +14,7 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
                memory_limit: float | None = None, exhaustive: bool = False, schedules=None,
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
-               n_experts: int = 0, seq_len: int | None = None, ilp_time_limit: float = 2.0, precision=None,
+               n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None, precision=None,
                input_names=None, pin=None, moe=None, moe_imbalance: float | None = None):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
@@ -23,7 +23,9 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     ``moe``: the dropless MoE config (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``,
     ``dtype``; presets carry it as ``PresetModel.moe``), checked against the captured dispatch
     ops (which are what prices the token-proportional dispatch); ``moe_imbalance``: max/mean
-    rows an EP rank receives (default 1.25)."""
+    rows an EP rank receives (default 1.25). ``ilp_nodes``: branch-and-bound nodes per
+    stage-boundary ILP (default ``planner.ilp.DEFAULT_NODES``): every budget of the search counts
+    work, so the answer is the same on every machine."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan
@@ -38,6 +40,8 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
         kw["moe_imbalance"] = float(moe_imbalance)
     if schedules:
         kw["schedules"] = tuple(schedules)
+    if ilp_nodes is not None:
+        kw["ilp_nodes"] = int(ilp_nodes)
     blocker = None
     if allow_cp and prof.captured is not None:
         from functools import lru_cache
@@ -53,7 +57,7 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     req = Request(gpus=gpus, global_batch=global_batch, cp_blocker=blocker,
                   memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
                   exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
-                  ilp_time_limit=ilp_time_limit, pin=tuple((pin or {}).items()), **kw)
+                  pin=tuple((pin or {}).items()), **kw)
     res = plan(prof, device, req, progress=progress)
     info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
             "units": len(prof.units)}

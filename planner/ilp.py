@@ -82,10 +82,17 @@ def _pareto(vecs: list[dict[int, float]]) -> list[dict[int, float]]:
     return [{k: x for k, x in zip(keys, p) if x > 1e-12} for p in front]
 
 
+# the solver's work budget per stage-boundary ILP (branch-and-bound nodes) and the relative gap
+# at which it stops as optimal: work counts, so the answer never depends on the machine's speed
+DEFAULT_NODES = 300
+GAP_REL = 1e-4
+
+
 def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_recompute: bool = True,
-                    time_limit: float = 5.0, warm: Partition | None = None) -> ILPResult:
-    """``warm``: a partition to start CBC from (e.g. the balanced one), so a time-limited solve
-    returns at least that when it fits."""
+                    max_nodes: int = DEFAULT_NODES, warm: Partition | None = None) -> ILPResult:
+    """``warm``: a partition to start the solver from (e.g. the balanced one), so a solve that
+    stops at its node budget returns at least that when it fits. The budget is branch-and-bound
+    nodes, never seconds: the same input gives the same partition on every machine."""
     t0 = time.perf_counter()
     runs = ev.profile.runs()
     K = len(runs)
@@ -195,7 +202,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
     if warm is not None and len(warm.bounds) == S + 1:
         _set_warm_start(warm, y, a, binaries, r, extra, act, z, runs, starts, f_unit, act_unit, t_unit,
                         in_max, f_max, a_max, s2r, lay.pp, allow_recompute)
-    solver = make_solver(time_limit, warm_start=warm is not None)
+    solver = make_solver(max_nodes, warm_start=warm is not None)
     prob.solve(solver)
     secs = time.perf_counter() - t0
     bound = t_max * TS / lay.pp  # seconds
@@ -205,8 +212,8 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
     ys = [int(round(pulp.value(v))) if not isinstance(v, int) else v for v in y]
     rc = tuple(bool(round(pulp.value(x))) if allow_recompute else False for x in r)
     label = "optimal"
-    if prob.sol_status == pulp.LpSolutionIntegerFeasible or secs >= time_limit * 0.98:
-        label = "time limit (feasible, not proven optimal)"
+    if prob.sol_status == pulp.LpSolutionIntegerFeasible:
+        label = f"node limit {max_nodes} (feasible, not proven optimal)"
     return ILPResult(Partition(tuple(ys), rc), label, float(pulp.value(z)) * TS, bound, secs)
 
 
@@ -228,14 +235,15 @@ def _highs_available() -> bool:
         return False
 
 
-def make_solver(time_limit: float, warm_start: bool = False):
-    """HiGHS when installed (highspy), else the CBC binary bundled with PuLP; one thread, so
-    the same input gives the same plan."""
+def make_solver(max_nodes: int, warm_start: bool = False):
+    """HiGHS when installed (highspy), else the CBC binary bundled with PuLP; one thread and a
+    budget of branch-and-bound nodes (no time limit), so the same input gives the same plan on
+    any machine under any load."""
     if _highs_available():
-        return pulp.HiGHS(msg=False, timeLimit=time_limit, threads=1)
+        return pulp.HiGHS(msg=False, threads=1, gapRel=GAP_REL, mip_max_nodes=max_nodes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces CBC's unbundling in 4.0
-        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, threads=1, warmStart=warm_start)
+        return pulp.PULP_CBC_CMD(msg=False, threads=1, warmStart=warm_start, maxNodes=max_nodes, gapRel=GAP_REL)
 
 
 def _set_warm_start(part, y, a, binaries, r, extra, act, z, runs, starts, f_unit, act_unit, t_unit,

@@ -37,7 +37,7 @@ from .estimate import (
     max_inflight,
     runtime_overhead,
 )
-from .ilp import ILPResult, solve_partition
+from .ilp import DEFAULT_NODES, ILPResult, solve_partition
 from .profile import ModelProfile
 
 
@@ -55,13 +55,12 @@ class Request:
     exhaustive: bool = False            # simulate every layout that passes the screen (--all)
     top_simulate: int = 40
     memory_checks: int = 2000           # layouts found OOM by their memory alone, before stopping
-    simulate_actions: int = 400_000     # budget of simulated actions in the default (not exhaustive) mode
-    simulate_seconds: float = 5.0       # and of wall time, once a layout fits (greedy orders cost far more per action)
+    simulate_actions: int = 1_500_000     # budget of simulated work in the default (not exhaustive) mode:
+    # actions simulated, a greedy order's counted GREEDY_WEIGHT times (it is built per (pp, m))
     zb_auto_max: int = 512              # zb-auto only where pp * microbatches <= this (its search is superlinear)
     greedy_max: int = 1024              # zb-h2 / v-half only where pp * microbatches <= this (greedy orders per m)
     top_ilp: int = 4
-    ilp_time_limit: float = 2.0
-    ilp_seconds: float = 3.0            # no further ILP once they took this long and a layout fits
+    ilp_nodes: int = DEFAULT_NODES      # branch-and-bound nodes per stage-boundary ILP (work, not seconds)
     # cp -> None when context parallelism can rewrite the model at that degree, else why not
     # (passes/context_parallel.context_parallel_blocker on the profile's capture); None: judge by
     # the attention head count alone
@@ -357,13 +356,13 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     todo: list[Candidate] = []
     spent = n_timed = checked = 0
     best = math.inf
-    out_of_time = False
+    out_of_work = False
     for c in screened:
         if not req.exhaustive and todo:
-            if n_timed >= req.top_simulate or (spent >= req.simulate_actions and best < math.inf):
+            if n_timed >= req.top_simulate:
                 break
-            if best < math.inf and time.perf_counter() - t_sim > req.simulate_seconds:
-                out_of_time = True
+            if spent >= req.simulate_actions and best < math.inf:
+                out_of_work = True
                 break
             if n_timed >= 8 and c.screen_time > 1.25 * best:
                 break
@@ -378,13 +377,13 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
                 break
             continue
         n_timed += 1
-        spent += 3 * lay.num_stages * lay.m
+        spent += simulation_work(lay)
         if c.status == "feasible":
             best = min(best, c.time)
     for c in screened[len(todo):]:
         c.status, c.reason = "screened", "not simulated: its closed-form estimate is behind the simulated ones"
-    stopped = (f"; stopped at the {req.simulate_seconds:g} s budget (--all simulates every layout that passes the "
-               "screen)") if out_of_time else ""
+    stopped = (f"; stopped at the budget of {req.simulate_actions:,} simulated actions (--all simulates every "
+               "layout that passes the screen)") if out_of_work else ""
     say(f"simulated {n_timed} layouts ({checked} more found over the memory limit before timing) "
         f"in {time.perf_counter() - t_sim:.1f} s{stopped}")
 
@@ -394,18 +393,10 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     if not pool:
         pool = sorted((c for c in todo if c.status == "oom"), key=lambda c: c.peak)[: req.top_ilp]
     t_ilp = time.perf_counter()
-    ilp_runs = []
-    for c in pool:
-        if (not req.exhaustive and ilp_runs and time.perf_counter() - t_ilp > req.ilp_seconds
-                and any(x.status == "feasible" for x in pool)):
-            break  # the rest keep their balanced boundaries
-        res = _refine(ev, c, req)
-        ilp_runs.append(res)
+    ilp_runs = [_refine(ev, c, req) for c in pool]
     solver_s = time.perf_counter() - t_ilp
-    skipped = f"; {len(pool) - len(ilp_runs)} more skipped at the {req.ilp_seconds:g} s budget" \
-        if len(ilp_runs) < len(pool) else ""
-    say(f"solved {len(ilp_runs)} stage-boundary ILPs in {solver_s:.2f} s "
-        f"({', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'}){skipped}")
+    say(f"solved {len(ilp_runs)} stage-boundary ILPs in {solver_s:.2f} s (at most {req.ilp_nodes:,} "
+        f"branch-and-bound nodes each: {', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
 
     feas = sorted((c for c in cands if c.status == "feasible"), key=_order)
     if not feas and not any(c.peak is not None for c in cands):
@@ -420,6 +411,18 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
             c.reason = f"{(c.time / chosen.time - 1) * 100:.1f}% slower ({c.time:.4g} s vs {chosen.time:.4g} s)"
     return PlanResult(chosen=chosen, candidates=cands + rejected, evaluator=ev, request=req,
                       search_s=time.perf_counter() - t0, solver_s=solver_s, ilp_runs=ilp_runs)
+
+
+# schedules whose order is searched per (pp, m) rather than generated in closed form: building
+# one costs about this many simulated actions per action
+GREEDY = ("zb-auto", "zb-h2", "v-half", "v-min")
+GREEDY_WEIGHT = 8
+
+
+def simulation_work(lay: Layout) -> int:
+    """The work one simulated layout counts against ``Request.simulate_actions``: its actions
+    (F, I, W per stage and microbatch), times ``GREEDY_WEIGHT`` for a searched order."""
+    return 3 * lay.num_stages * lay.m * (GREEDY_WEIGHT if lay.schedule in GREEDY else 1)
 
 
 def _unit_totals(ev: Evaluator, lay: Layout) -> list[float]:
@@ -705,7 +708,7 @@ def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
         except ValueError:
             pass  # zb-h1 does not take this (pp, m, v): keep the zb-auto order just priced
     frac = ev.i_free_fraction(c.estimate.partition)
-    res = solve_partition(ev, lay, sched, frac, time_limit=req.ilp_time_limit, warm=c.estimate.partition)
+    res = solve_partition(ev, lay, sched, frac, max_nodes=req.ilp_nodes, warm=c.estimate.partition)
     c.ilp = res
     if res.partition is not None:
         est = ev.evaluate(lay, res.partition)
