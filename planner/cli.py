@@ -1,6 +1,7 @@
 """`autopar plan MODEL --gpus N ...`: capture the model, search plans, print the report.
 
-MODEL is a preset name (``autopar plan --list``) or ``--model pkg.module:factory`` where the
+MODEL is a preset name (``autopar plan --list``), ``--hf-config config.json`` (a Hugging Face
+causal LM from its configuration: planner/hf_config.py) or ``--model pkg.module:factory`` where the
 factory returns ``(model, example_inputs)``, ``(model, example_inputs, loss_fn)`` with
 ``loss_fn(output) -> scalar``, or ``(model, example_inputs, target, loss_fn)`` with
 ``loss_fn(output, target)``. Exit status: 0 a plan fits, 2 no plan fits or bad input.
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 "microbatches and stage boundaries for a model on N devices, and say why")
     p.add_argument("preset", nargs="?", help="preset model name (see --list)")
     p.add_argument("--model", help="pkg.module:factory returning (model, example_inputs[, target], [loss_fn])")
+    p.add_argument("--hf-config", help="a Hugging Face config.json (or the directory holding it): its causal LM, "
+                                       "built on the meta device (no weights, no download)")
     p.add_argument("--list", action="store_true", help="list presets and device profiles")
     p.add_argument("--gpus", type=int, help="devices in the job (world size)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
@@ -119,8 +122,8 @@ def _run(args, say) -> int:
         print("presets: " + ", ".join(presets.names()))
         print("devices: " + ", ".join(device_names()) + ", current")
         return 0
-    if (args.preset is None) == (args.model is None):
-        raise ValueError("give a preset name or --model pkg.module:factory (not both); presets: "
+    if sum(x is not None for x in (args.preset, args.model, args.hf_config)) != 1:
+        raise ValueError("give one of: a preset name, --model pkg.module:factory, --hf-config config.json; presets: "
                          + ", ".join(presets.names()))
     if args.gpus is None or args.global_batch is None:
         raise ValueError("--gpus and --global-batch are required")
@@ -157,6 +160,17 @@ def _run(args, say) -> int:
         kwargs = dict(name=pm.name, layer_repeats=pm.layer_repeats, expert_prefixes=pm.expert_param_prefixes,
                       n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq, moe=pm.moe)
         model, inputs, target, loss_fn = pm.model, pm.inputs, pm.target, pm.loss_fn
+    elif args.hf_config is not None:
+        from .hf_config import EXPERT_PREFIXES, build_from_config
+
+        seq = args.seq or 4096
+        if seq < 1:
+            raise ValueError(f"--seq must be >= 1, got {seq}")
+        say(f"building {args.hf_config} on the meta device (seq {seq})")
+        hm = build_from_config(args.hf_config, seq_len=seq, say=say)
+        kwargs = dict(name=hm.name, layer_repeats=hm.layer_repeats or None, expert_prefixes=EXPERT_PREFIXES,
+                      n_heads=hm.n_heads, n_experts=hm.n_experts, seq_len=seq)
+        model, inputs, target, loss_fn = hm.model, hm.inputs, hm.target, hm.loss_fn
     else:
         model, inputs, target, loss_fn = load_factory(args.model)
         x0 = inputs[0]

@@ -89,3 +89,51 @@ def test_hf_moe_captured_through_the_dispatch_op():
     assert all(m.routed is not None and m.routed.rows == 2 * 8 * k for m in moes)
     assert moes[0].routed.row_bytes == model.config.hidden_size * 4
     assert [type(e) for e in experts] == cls
+
+
+def _write_config(tmp_path, name, **overrides):
+    """tests/hf_models' tiny config of ``name`` as the config.json a user has (model_type included)."""
+    import json
+
+    from tests.hf_models import _config
+
+    data = _config(name).to_dict()
+    data.update(overrides)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_plan_from_a_config_json(tmp_path, capsys):
+    """autopar plan --hf-config: a DeepSeek-V3-style config of 5 layers whose first 2 are dense
+    (first_k_dense_replace) is built with 3 (two dense layers standing for one each, one MoE
+    layer standing for 3); the planner's parameter count equals the full model's, built from
+    the same config on the meta device and counted here; ep layouts are priced; a Gemma2 config's
+    alternating sliding/full layers are two kinds even with equal parameters."""
+    import json
+
+    import torch
+    import transformers
+
+    from autopar.planner import cli
+    from autopar.planner.hf_config import build_from_config, load_config
+
+    path = _write_config(tmp_path, "deepseek_v3", num_hidden_layers=5, first_k_dense_replace=2)
+    hm = build_from_config(str(path), seq_len=16)
+    assert hm.layer_repeats == {"model.layers.0": 1, "model.layers.1": 1, "model.layers.2": 3}
+    assert len(hm.model.model.layers) == 3 and hm.n_experts == 4
+    with torch.device("meta"):
+        full = transformers.AutoModelForCausalLM.from_config(load_config(str(path)))
+    want = sum(p.numel() for p in full.parameters())
+    assert cli.main(["--hf-config", str(path), "--gpus", "4", "--global-batch", "8", "--seq", "16", "--json",
+                     "--quiet", "--device", "h100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["parameters"] == want, (out["parameters"], want)
+    assert any(a.get("ep", 1) > 1 for a in out["alternatives"]), out["alternatives"]  # EP layouts priced
+    types = ["sliding_attention", "full_attention"] * 3
+    gemma = build_from_config(str(_write_config(tmp_path, "gemma2", num_hidden_layers=6, layer_types=types)),
+                              seq_len=16)
+    assert len(gemma.model.model.layers) == 2 and gemma.model.config.layer_types == types[:2]
+    assert gemma.layer_repeats == {"model.layers.0": 3, "model.layers.1": 3}
+    with pytest.raises(ValueError, match="no such file"):
+        build_from_config(str(tmp_path / "missing.json"), seq_len=16)
