@@ -10,12 +10,13 @@ collectives), ``estimate`` (time and memory of one candidate), ``ilp`` (stage-bo
 from __future__ import annotations
 
 
-def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_batch: int, device=None,
+def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int, global_batch: int, device=None,
                memory_limit: float | None = None, exhaustive: bool = False, schedules=None,
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
                n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None, precision=None,
-               input_names=None, pin=None, moe=None, moe_imbalance: float | None = None):
+               input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
+               hf_config: str | None = None):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
@@ -23,13 +24,27 @@ def plan_model(model, inputs, target=None, loss_fn=None, *, gpus: int, global_ba
     ``moe``: the dropless MoE config (``n_experts``, ``top_k``, ``expert_hidden``, ``d_model``,
     ``dtype``; presets carry it as ``PresetModel.moe``), checked against the captured dispatch
     ops (which are what prices the token-proportional dispatch); ``moe_imbalance``: max/mean
-    rows an EP rank receives (default 1.25). ``ilp_nodes``: branch-and-bound nodes per
+    rows an EP rank receives (default 1.25). ``hf_config``: a Hugging Face ``config.json`` (or
+    its directory) instead of ``model``/``inputs``: its causal LM is built on the meta device
+    (planner/hf_config.py; ``seq_len`` default 4096). ``ilp_nodes``: branch-and-bound nodes per
     stage-boundary ILP (default ``planner.ilp.DEFAULT_NODES``): every budget of the search counts
     work, so the answer is the same on every machine."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan
 
+    if hf_config is not None:
+        if model is not None:
+            raise ValueError("plan_model: give a model or hf_config=, not both")
+        from .hf_config import EXPERT_PREFIXES, build_from_config
+
+        seq_len = seq_len or 4096
+        hm = build_from_config(hf_config, seq_len=seq_len, say=progress or (lambda msg: None))
+        model, inputs, target, loss_fn = hm.model, hm.inputs, hm.target, hm.loss_fn
+        name, layer_repeats, expert_prefixes = hm.name, hm.layer_repeats or None, EXPERT_PREFIXES
+        n_heads, n_experts = hm.n_heads, hm.n_experts
+    elif model is None or inputs is None:
+        raise ValueError("plan_model: give a model and its example inputs, or hf_config=")
     device = device or current_profile()
     prof = profile_model(model, inputs, target, loss_fn, name=name, layer_repeats=layer_repeats,
                          expert_prefixes=expert_prefixes, n_heads=n_heads, n_experts=n_experts,

@@ -161,16 +161,12 @@ def _run(args, say) -> int:
                       n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq, moe=pm.moe)
         model, inputs, target, loss_fn = pm.model, pm.inputs, pm.target, pm.loss_fn
     elif args.hf_config is not None:
-        from .hf_config import EXPERT_PREFIXES, build_from_config
-
         seq = args.seq or 4096
         if seq < 1:
             raise ValueError(f"--seq must be >= 1, got {seq}")
         say(f"building {args.hf_config} on the meta device (seq {seq})")
-        hm = build_from_config(args.hf_config, seq_len=seq, say=say)
-        kwargs = dict(name=hm.name, layer_repeats=hm.layer_repeats or None, expert_prefixes=EXPERT_PREFIXES,
-                      n_heads=hm.n_heads, n_experts=hm.n_experts, seq_len=seq)
-        model, inputs, target, loss_fn = hm.model, hm.inputs, hm.target, hm.loss_fn
+        kwargs = dict(hf_config=args.hf_config, seq_len=seq)
+        model = inputs = target = loss_fn = None
     else:
         model, inputs, target, loss_fn = load_factory(args.model)
         x0 = inputs[0]

@@ -50,7 +50,7 @@ def load_config(path: str):
     try:
         import transformers
     except ImportError as e:  # the planner itself does not need transformers
-        raise ValueError("--hf-config needs the transformers package: pip install transformers") from e
+        raise ValueError("--hf-config needs transformers: pip install 'autopar[hf]'") from e
     file = os.path.join(path, "config.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
         raise ValueError(f"--hf-config {path}: no such file (give a config.json or the directory that holds it)")
@@ -61,9 +61,17 @@ def load_config(path: str):
         raise ValueError(f"--hf-config {file}: no \"model_type\" in it, so transformers cannot tell which model it is")
     try:
         return transformers.AutoConfig.for_model(kind, **data)
-    except ValueError as e:
-        raise ValueError(f"--hf-config {file}: transformers {transformers.__version__} does not know model_type "
-                         f"{kind!r} ({str(e).splitlines()[0]})") from e
+    except Exception as e:  # noqa: BLE001 - transformers' validation of the user's numbers: one line, with why
+        raise ValueError(f"--hf-config {file}: transformers {transformers.__version__} cannot make a config of "
+                         f"model_type {kind!r} from it ({_why(e)})") from e
+
+
+def _why(e: Exception) -> str:
+    """transformers' reason on one line: the innermost exception's last non-empty line."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:200]
 
 
 def _build(cfg, dtype):
@@ -72,9 +80,10 @@ def _build(cfg, dtype):
     with torch.device("meta"):
         try:
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except ValueError as e:
-            raise ValueError(f"--hf-config: {type(cfg).__name__} has no causal-LM class in transformers "
-                             f"({str(e).splitlines()[0][:200]}); --hf-config plans causal language models") from e
+        except Exception as e:  # noqa: BLE001 - transformers' own code on the user's config: one line, with why
+            raise ValueError(f"--hf-config: transformers cannot build a causal LM from this {type(cfg).__name__}: "
+                             f"{type(e).__name__}: {_why(e)} (--hf-config plans "
+                             "causal language models)") from e
     return model
 
 
@@ -157,7 +166,7 @@ def build_from_config(path: str, seq_len: int, microbatch_size: int = 1, dtype=t
         tokens = torch.empty(microbatch_size, seq_len, dtype=torch.long)
         target = torch.empty(microbatch_size, seq_len, dtype=torch.long)
     n_experts = next((int(v) for a in _EXPERT_COUNT_ATTRS if isinstance(v := getattr(cfg, a, None), int) and v > 1), 0)
-    name = getattr(cfg, "_name_or_path", "") or cfg.model_type
+    name = f"{type(model).__name__} ({os.path.basename(os.path.normpath(path))})"
     return HFPlanModel(name=name, model=model, inputs=(tokens,), target=target, loss_fn=hf_lm_loss,
                        layer_repeats=repeats, num_layers=n, n_heads=int(getattr(cfg, "num_attention_heads", 0) or 0),
                        n_experts=n_experts)

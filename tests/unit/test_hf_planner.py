@@ -137,3 +137,54 @@ def test_plan_from_a_config_json(tmp_path, capsys):
     assert gemma.layer_repeats == {"model.layers.0": 3, "model.layers.1": 3}
     with pytest.raises(ValueError, match="no such file"):
         build_from_config(str(tmp_path / "missing.json"), seq_len=16)
+
+
+def _llama_params(c) -> int:
+    """A Llama config's parameter count by hand: embeddings, per layer q/k/v/o, SwiGLU, two
+    RMSNorms, the final norm and an untied head."""
+    d, hd = c["hidden_size"], c["hidden_size"] // c["num_attention_heads"]
+    attn = d * c["num_attention_heads"] * hd * 2 + 2 * d * c["num_key_value_heads"] * hd
+    layer = attn + 3 * d * c["intermediate_size"] + 2 * d
+    return 2 * c["vocab_size"] * d + c["num_hidden_layers"] * layer + d
+
+
+def _qwen3_moe_params(c) -> int:
+    """A Qwen3-MoE config's by hand: q/k/v/o with per-head q and k norms, a router, E SwiGLU
+    experts of moe_intermediate_size, two RMSNorms a layer, final norm, untied head."""
+    d, hd, e = c["hidden_size"], c["head_dim"], c["num_experts"]
+    attn = d * c["num_attention_heads"] * hd * 2 + 2 * d * c["num_key_value_heads"] * hd + 2 * hd
+    layer = attn + e * d + e * 3 * d * c["moe_intermediate_size"] + 2 * d
+    return 2 * c["vocab_size"] * d + c["num_hidden_layers"] * layer + d
+
+
+def test_plan_model_from_dense_and_moe_configs_written_here(tmp_path):
+    """P3: plan_model(hf_config=...) on a Llama-like dense config and a Qwen3-MoE-like config
+    written by this test: the report names the architecture and a parameter count equal to the
+    config's own arithmetic (by hand above); the MoE one prices EP layouts; a config
+    transformers cannot build is one line naming why."""
+    import json
+
+    from autopar.planner import plan_model
+    from autopar.planner.devices import get_profile
+
+    dense = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=12,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+                 tie_word_embeddings=False)
+    moe = dict(model_type="qwen3_moe", hidden_size=64, intermediate_size=160, moe_intermediate_size=32,
+               num_hidden_layers=10, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+               num_experts_per_tok=2, vocab_size=256, max_position_embeddings=128, tie_word_embeddings=False,
+               decoder_sparse_step=1, mlp_only_layers=[])
+    for cfg, count in ((dense, _llama_params), (moe, _qwen3_moe_params)):
+        path = tmp_path / f"{cfg['model_type']}.json"
+        path.write_text(json.dumps(cfg))
+        res, info = plan_model(hf_config=str(path), gpus=8, global_batch=16, seq_len=32, device=get_profile("h100"))
+        assert info["parameters"] == count(cfg), (cfg["model_type"], info["parameters"], count(cfg))
+        assert res.evaluator.profile.name.startswith("LlamaForCausalLM" if cfg is dense else "Qwen3MoeForCausalLM")
+        assert res.chosen is not None
+        if cfg is moe:
+            assert any(c.layout.ep > 1 for c in res.candidates if c.estimate is not None)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(dict(dense, num_attention_heads=5)))  # 64 not divisible by 5 heads
+    with pytest.raises(ValueError) as err:
+        plan_model(hf_config=str(bad), gpus=8, global_batch=16, seq_len=32, device=get_profile("h100"))
+    assert "\n" not in str(err.value) and "--hf-config" in str(err.value), str(err.value)

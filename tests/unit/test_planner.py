@@ -381,6 +381,44 @@ def test_the_answer_does_not_depend_on_the_machine_speed(mixtral_profile, monkey
     assert [r.status for r in slow_res.ilp_runs] == [r.status for r in fast.ilp_runs]
 
 
+_WALL = ("capture_s", "trace_s", "search_s", "solver_s")  # the report's measured phase times
+
+
+def _without_wall(obj):
+    if isinstance(obj, dict):
+        return {k: _without_wall(v) for k, v in obj.items() if k not in _WALL}
+    if isinstance(obj, list):
+        return [_without_wall(v) for v in obj]
+    return obj
+
+
+def test_plan_model_json_is_the_same_on_a_slower_machine(monkeypatch):
+    """P1: plan_model on a captured model (h100 profile: costs from the device model, not from
+    timing this machine), then again with perf_counter and monotonic running 10x slower: the
+    plan JSON is identical but for the measured phase times."""
+    import json
+    import time as time_mod
+
+    from autopar.examples.gpt import make_gpt
+    from autopar.planner import plan_model
+    from autopar.planner.report import to_json
+
+    def once():
+        model, inputs, target, loss = make_gpt(n_layer=4, d_model=32, n_head=2, seq_len=16, batch_size=2)
+        res, info = plan_model(model, inputs, target, loss, gpus=8, global_batch=64, device=get_profile("h100"),
+                               memory_limit=2 * GiB + 2**24)
+        return json.loads(json.dumps(to_json(res, info, top=10)))
+
+    first = once()
+    real_pc, real_mono = time_mod.perf_counter, time_mod.monotonic
+    start_pc, start_mono = real_pc(), real_mono()
+    monkeypatch.setattr(time_mod, "perf_counter", lambda: start_pc + 10 * (real_pc() - start_pc))
+    monkeypatch.setattr(time_mod, "monotonic", lambda: start_mono + 10 * (real_mono() - start_mono))
+    second = once()
+    assert first["search_s"] > 0 and second["search_s"] > 0
+    assert _without_wall(second) == _without_wall(first)
+
+
 def _formula_vs_estimate(prof, limit, sizes):
     """memory_formula(b, s) of the chosen plan at other microbatch sizes vs the estimate of the
     same layout and stage boundaries at those sizes."""
