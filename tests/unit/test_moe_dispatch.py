@@ -69,6 +69,21 @@ def _loss(out, t):
     return F.mse_loss(y, t) + aux
 
 
+def _step_equals_eager(pm, ref, ref_opt, x, t) -> None:
+    """One step of ``pm`` against the eager reference's gradient accumulation over the same 4
+    microbatches; no dispatch state of ``pm``'s model outlives it."""
+    loss = pm.step((x,), t)
+    ref_opt.zero_grad()
+    want = 0.0
+    for xm, tm in zip(x.chunk(4), t.chunk(4)):
+        part = _loss(ref(xm), tm) / 4
+        part.backward()
+        want += part.item()
+    ref_opt.step()
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
+
+
 def _two_steps_equal_eager(net, plan, before_step=lambda: None):
     """Two SGD steps of ``parallelize(net, plan)`` (4 microbatches) equal eager gradient
     accumulation over the same microbatches (of the plain-PyTorch reference: tests/reference.py
@@ -79,16 +94,7 @@ def _two_steps_equal_eager(net, plan, before_step=lambda: None):
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(2):
         before_step()
-        loss = pm.step((x,), t)
-        ref_opt.zero_grad()
-        want = 0.0
-        for xm, tm in zip(x.chunk(4), t.chunk(4)):
-            part = _loss(ref(xm), tm) / 4
-            part.backward()
-            want += part.item()
-        ref_opt.step()
-        assert float(loss) == pytest.approx(want, rel=1e-5)
-        assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
+        _step_equals_eager(pm, ref, ref_opt, x, t)
     state = pm.state_dict()
     for name, value in ref.state_dict().items():
         torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
@@ -273,18 +279,9 @@ def test_two_models_in_one_process_own_their_dispatch_state():
     opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
     for _ in range(2):
         for pm, ref, opt, blocks in zip(pms, refs, opts, (2, 1)):
-            loss = pm.step((x,), t)
-            opt.zero_grad()
-            want = 0.0
-            for xm, tm in zip(x.chunk(4), t.chunk(4)):
-                part = _loss(ref(xm), tm) / 4
-                part.backward()
-                want += part.item()
-            opt.step()
-            assert float(loss) == pytest.approx(want, rel=1e-5)
+            _step_equals_eager(pm, ref, opt, x, t)
             assert pm.metrics["moe_max_receive_rows"] > 0
             assert moe_dispatch.receive_stats(pm.built.moe_keys)["dispatches"] == blocks * 4
-            assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
     for pm, ref in zip(pms, refs):
         state = pm.state_dict()
         for name, value in ref.state_dict().items():
