@@ -70,6 +70,7 @@ class DistributedPipeline:
         self._m = schedule.num_microbatches
         self.program = None  # generated step function (runtime/codegen.py); None = interpret
         self._eval_actions = None  # the lowered forward-only program of an evaluation, made on first use
+        self._eval_release: dict = {}  # its release points (runtime/send_release.py)
         self.training = True
         self.units = self._units(lowered, data_parallel)
         if generated:
@@ -86,7 +87,7 @@ class DistributedPipeline:
         if mesh.pp > 1:
             self._check_boundaries()
         # wait key -> this rank's sends known complete once it was taken (training steps; an
-        # evaluation's forward-only sends are waited on at its end)
+        # evaluation has its own, from its forward-only program)
         self._release = release_points(lowered.actions, schedule.stage_to_rank, mesh.pp_rank)
         self.max_sends_held = 0  # most sends this rank held at once in the last step (tests, metrics)
         # gloo (CPU): receives from each peer, in the order the lowered program posts them. A
@@ -163,7 +164,9 @@ class DistributedPipeline:
                     self._post(key)
             if not train:
                 if self._eval_actions is None:
-                    self._eval_actions = lower(forward_only(self.schedule)).actions[self.mesh.pp_rank]
+                    evl = lower(forward_only(self.schedule))
+                    self._eval_actions = evl.actions[self.mesh.pp_rank]
+                    self._eval_release = release_points(evl.actions, self.owner, self.mesh.pp_rank)
                 interpret(self, self._eval_actions, self.owner, self.mesh.pp_rank)
             elif self.program is not None:
                 self.program(self)
@@ -248,9 +251,8 @@ class DistributedPipeline:
 
     def _taken(self, key: tuple[str, int, int]) -> None:
         """A message was taken: drop the sends that the peer is now known to have received."""
-        if self.training:
-            for sent in self._release.get(key, ()):
-                self._release_send(sent)
+        for sent in (self._release if self.training else self._eval_release).get(key, ()):
+            self._release_send(sent)
 
     def _hold_send(self, key: tuple[str, int, int], works: list) -> None:
         self._sends[key] = works
