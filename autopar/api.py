@@ -125,7 +125,7 @@ class ParallelModel:
         return self._built
 
     def _run(self, inputs, target, train: bool):
-        inputs, _ = batches.as_inputs(inputs, self._options["input_names"])
+        inputs, names = batches.as_inputs(inputs, self._options["input_names"])
         if self.loss_fn is not None and target is None and (self.batch == "global" or self._built is None):
             raise ValueError("autopar: step needs a target when a loss_fn was given")
         b = self.prepare(inputs, target)
@@ -136,8 +136,11 @@ class ParallelModel:
         moe_dispatch.clear(b.moe_keys)  # what a failed step of this model left behind
         moe_dispatch.reset_stats(b.moe_keys)
         total = None
-        for mbs in batches.microbatches(b, inputs, target, local=self.batch == "local"):
-            loss = b.executor.run(mbs, 1.0 / n_total, train=train)
+        local = self.batch == "local"
+        shifted = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
+        scales = batches.label_scales(b, inputs, self._options["input_names"] or names, self.loss_fn, local, shifted)
+        for r, mbs in enumerate(batches.microbatches(b, inputs, target, local=local)):
+            loss = b.executor.run(mbs, scales[r] if scales is not None else 1.0 / n_total, train=train)
             total = loss if total is None else total + loss
         if not train:
             moe_dispatch.clear(b.moe_keys)  # a forward-only pass: no backward reads the routed rows

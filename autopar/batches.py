@@ -86,6 +86,41 @@ def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
     return out
 
 
+def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: bool = True) -> list[list[float]] | None:
+    """Design.md §5 loss normalization, for a model's own loss from ``labels`` in a dict batch
+    (``loss_fn=None``; transformers' causal LMs: a mean over the labels that are not -100, each
+    predicted from the position before it): per replica this process runs, per microbatch,
+    ``valid labels of the microbatch / valid labels of the whole global batch``, so the step's
+    loss and gradient are one mean over every real token of the global batch, whatever each
+    microbatch holds (packed rows, padding). ``shifted``: the model predicts each label from the
+    position before it (a causal LM: a row's first label is never used); False for an
+    encoder-decoder, whose every label counts. None where the rule does not apply (another loss,
+    no labels, context parallelism, or no valid label at all): the loss is then scaled by
+    ``1 / (dp * m * cp)`` as before. ``batch="local"``: the total is summed over the dp
+    replicas (a collective: every rank calls this)."""
+    plan, m, mb = built.plan, built.num_microbatches, built.microbatch_size
+    if loss_fn is not None or not names or "labels" not in names or plan.cp > 1:
+        return None
+    labels = inputs[list(names).index("labels")]
+    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        return None
+    used = labels[:, 1:] if shifted else labels
+    valid = (used != -100).reshape(labels.shape[0], -1).sum(dim=1).to(torch.float64)
+    per_mb = valid.view(-1, mb).sum(dim=1)  # every microbatch of the batch given, in order
+    total = per_mb.sum()
+    if local and built.mesh is not None and plan.dp > 1:
+        from autopar.runtime import comms
+
+        comms.all_reduce_sum(total, group=built.mesh.replica_group)
+    if float(total) == 0:
+        return None
+    if local:
+        replicas = [0]
+    else:
+        replicas = [built.mesh.dp_rank] if built.mesh is not None else range(plan.dp)
+    return [[float(per_mb[r * m + k] / total) for k in range(m)] for r in (range(1) if local else replicas)]
+
+
 def tokens(inputs: tuple, global_samples: int) -> int:
     """Tokens of a global batch: samples times the sequence length of the first input (1 for
     inputs without one)."""

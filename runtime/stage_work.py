@@ -58,12 +58,15 @@ class StageWork:
         self.grad_sink = grad_sink
         self._grad_keys = {s: tuple(keys.gparam(fqn) for fqn in prog.grad_params) for s, prog in programs.items()}
 
-    def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale: float) -> None:
-        """Start a step: data keys for every held stage and microbatch, the loss tangent."""
+    def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale) -> None:
+        """Start a step: data keys for every held stage and microbatch, the loss tangent.
+        ``loss_scale``: one factor for every microbatch's loss, or one per microbatch."""
         self.envs = {}
         self.losses = {}
-        self._loss_scale = loss_scale
-        self._scale = None
+        n = len(microbatches)
+        self._loss_scale = list(loss_scale) if isinstance(loss_scale, (list, tuple)) else [loss_scale] * n
+        assert len(self._loss_scale) == n, (len(self._loss_scale), n)
+        self._scale = {}
         for k, mb in enumerate(microbatches):
             for s, prog in self.programs.items():
                 self.envs[s, k] = {keys.data(name): mb[name] for name in prog.stage.data}
@@ -111,10 +114,12 @@ class StageWork:
         if prog.stage.has_loss:
             loss = env.pop(keys.LOSS)
             self.losses[k] = loss
-            if self._scale is None and train:
-                self._scale = torch.full((), self._loss_scale, dtype=loss.dtype, device=loss.device)
             if train:
-                env[keys.grad(keys.LOSS)] = self._scale
+                scale = self._scale.get(self._loss_scale[k])
+                if scale is None:  # one tensor per distinct factor
+                    scale = self._scale[self._loss_scale[k]] = torch.full((), self._loss_scale[k], dtype=loss.dtype,
+                                                                          device=loss.device)
+                env[keys.grad(keys.LOSS)] = scale
         outputs = {name: env.pop(keys.out(name)) for name in prog.stage.outputs}
         _release(env, keep)
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
@@ -179,7 +184,7 @@ class StageWork:
             return None
         total = None
         for k in sorted(self.losses):
-            term = self.losses[k].float() * self._loss_scale  # fp32 even when the loss is bf16
+            term = self.losses[k].float() * self._loss_scale[k]  # fp32 even when the loss is bf16
             total = term if total is None else total + term
         return total.detach()
 
