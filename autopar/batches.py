@@ -23,6 +23,7 @@ def as_inputs(inputs, names: tuple[str, ...] | None = None) -> tuple[tuple, tupl
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
     if isinstance(inputs, dict):
+        check_packed(inputs)
         keys = names if names is not None else tuple(inputs)
         if set(inputs) != set(keys):
             raise ValueError(f"autopar: the batch has keys {sorted(inputs)}, the model was captured with "
@@ -31,6 +32,24 @@ def as_inputs(inputs, names: tuple[str, ...] | None = None) -> tuple[tuple, tupl
     if names is not None:
         raise ValueError(f"autopar: the model was captured with keyword inputs {list(names)}; pass a dict")
     return tuple(inputs), None
+
+
+def check_packed(batch: dict) -> None:
+    """Refuse packed rows (``position_ids`` restarting inside a row) that also carry an all-ones
+    ``attention_mask``: transformers derives the per-document mask from the positions only when
+    no mask is given, so with one every document would silently attend to the ones before it."""
+    pos, mask = batch.get("position_ids"), batch.get("attention_mask")
+    if not (isinstance(pos, torch.Tensor) and isinstance(mask, torch.Tensor)) or pos.dim() != 2 or pos.shape[1] < 2:
+        return
+    restarts = (pos[:, 1:] - pos[:, :-1] != 1).any(dim=1)
+    if mask.shape == pos.shape:
+        full = (mask != 0).all(dim=1)
+        bad = (restarts & full).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"autopar: rows {bad[:5]} hold packed documents (position_ids restart inside the row) and "
+                             "an all-ones attention_mask: transformers builds the per-document mask from position_ids "
+                             "only when attention_mask is None, so every document would attend to the ones before "
+                             "it; drop attention_mask from packed batches (autopar.data.pack makes none)")
 
 
 def data_needed(built) -> set[str]:

@@ -106,3 +106,18 @@ def test_packed_rows_equal_documents_run_separately(plan):
     state = pm.state_dict()
     for name, grad in want_grads.items():
         torch.testing.assert_close(before[name] - state[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_packed_rows_with_an_all_ones_mask_are_refused():
+    """Issue 37: an all-ones attention_mask would hide the document boundaries from transformers."""
+    from autopar.batches import as_inputs
+
+    docs = [torch.arange(1, 6), torch.arange(1, 4)]
+    batch = pack(docs, 8)
+    as_inputs(batch)  # as packed: no mask, accepted
+    with pytest.raises(ValueError, match=r"rows \[0\] hold packed documents .* drop attention_mask"):
+        as_inputs({**batch, "attention_mask": torch.ones_like(batch["input_ids"])})
+    padded = {"input_ids": torch.ones(2, 4, dtype=torch.long),
+              "position_ids": torch.tensor([[1, 1, 0, 1], [0, 1, 2, 3]]),
+              "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])}
+    as_inputs(padded)  # left padding (HF's positions for padded rows): the mask is not all ones there
