@@ -374,3 +374,18 @@ def test_large_model_benchmark_runs(tmp_path):
     assert "UNEXPECTED: a one-process plan fits" in out and verdict.group(1) == "NO", out
     assert single.group(1) == "completed" and verdict.group(2) == "NO", out
     assert re.search(r"^L6 large model: FAIL; total \d+ s$", out, re.M), out
+
+
+def test_planner_speed_benchmark_runs(capsys):
+    """P2's script on one small request: it plans it twice, the same plan both times; each run's
+    total holds its capture, traces and search (to the printed rounding)."""
+    mod = importlib.import_module("benchmarks.planner_speed")
+    assert mod.main(["--requests", "llama3-8b:8:16:256"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(rf"^llama3-8b 8 GPUs 16x256 h100\s+(first|again)\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})\s+"
+                      rf"({NUM})\s+({NUM})\s+pp\d", out, re.M)
+    assert [r[0] for r in rows] == ["first", "again"], out
+    for _run_name, build, capture, traces, search, ilp, total in rows:
+        assert float(total) + 0.02 >= float(build) + float(capture) + float(traces) + float(search), out
+        assert float(ilp) <= float(search) + 0.01, out
+    assert "the same plan both times: yes" in out, out
