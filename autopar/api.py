@@ -138,7 +138,7 @@ class ParallelModel:
         total = None
         local = self.batch == "local"
         shifted = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
-        scales = batches.label_scales(b, inputs, self._options["input_names"] or names, self.loss_fn, local, shifted)
+        scales = batches.label_scales(b, inputs, names, self.loss_fn, local, shifted)
         for r, mbs in enumerate(batches.microbatches(b, inputs, target, local=local)):
             loss = b.executor.run(mbs, scales[r] if scales is not None else 1.0 / n_total, train=train)
             total = loss if total is None else total + loss

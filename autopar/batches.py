@@ -58,6 +58,14 @@ def data_needed(built) -> set[str]:
     return {name for st in built.stages if st.index in mine for name in st.data}
 
 
+def replicas_run(built, local: bool):
+    """The dp replicas this process runs, as indices into the batch it was given: the one of a
+    local batch; its own replica of the global batch; every replica in local mode."""
+    if local:
+        return [0]
+    return [built.mesh.dp_rank] if built.mesh is not None else range(built.plan.dp)
+
+
 def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
     """Per replica this process runs, its microbatches (captured name -> tensor)."""
     plan, m, mb = built.plan, built.num_microbatches, built.microbatch_size
@@ -91,12 +99,8 @@ def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
         """This rank's (cp) share, in the layout the programs were traced with."""
         return with_strides(cp.local(t) if cp is not None else t, strides[name])
 
-    if local:
-        replicas = [0]
-    else:
-        replicas = [built.mesh.dp_rank] if built.mesh is not None else range(plan.dp)
     out = []
-    for replica in replicas:
+    for replica in replicas_run(built, local):
         mbs = []
         for k in range(m):
             lo = (replica * m + k) * mb
@@ -133,11 +137,7 @@ def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: boo
         comms.all_reduce_sum(total, group=built.mesh.replica_group)
     if float(total) == 0:
         return None
-    if local:
-        replicas = [0]
-    else:
-        replicas = [built.mesh.dp_rank] if built.mesh is not None else range(plan.dp)
-    return [[float(per_mb[r * m + k] / total) for k in range(m)] for r in (range(1) if local else replicas)]
+    return [[float(per_mb[r * m + k] / total) for k in range(m)] for r in replicas_run(built, local)]
 
 
 def tokens(inputs: tuple, global_samples: int) -> int:

@@ -1,11 +1,12 @@
 """A1: a pipeline rank's peak memory must not grow with the microbatch count.
 
-    python benchmarks/memory_vs_microbatches.py      # --d-model 256 --seq 256 --microbatch 2 -m 4,8,16,32
+    python benchmarks/memory_vs_microbatches.py      # --d-model 256 --seq 256 --batch 2 -m 4,8,16,32
     python benchmarks/memory_vs_microbatches.py --schedules 1f1b --m 4,32
 
-Model: ``autopar.examples.gpt`` (seeded, fp32, AdamW), pp=2 on 2 gloo processes, a FIXED
-microbatch size (``--microbatch`` samples of ``--seq`` tokens): the global batch is
-``microbatch * m``, so only the number of microbatches changes. Per schedule and m, the
+Model: ``autopar.examples.gpt`` (seeded, fp32, AdamW; the size flags of the other benchmarks,
+``memory_model.add_model_args``), pp=2 on 2 gloo processes, a FIXED microbatch size: here
+``--batch`` is the samples of one microbatch, and the global batch is ``batch * m``, so only the
+number of microbatches changes. Per schedule and m, the
 second step (AdamW's states exist by then) runs inside
 ``autopar.runtime.memory_probe.PeakTensorMemory``: the peak of live tensor bytes on each
 rank (its parameters, gradients and AdamW states at entry, plus every storage an ATen op
@@ -34,6 +35,7 @@ if ROOT not in sys.path:
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from autopar.runtime.spawn import run_ranks  # noqa: E402
+from benchmarks.memory_model import add_model_args, model_kwargs  # noqa: E402
 
 MAX_GROWTH = 0.05
 MiB = 2.0 ** 20
@@ -53,9 +55,8 @@ def _rank_main(rank, world, cfg):
     torch.set_num_threads(1)
     out = []
     for schedule, m in cfg["runs"]:
-        model, inputs, target, loss_fn = make_gpt(n_layer=cfg["layers"], d_model=cfg["d_model"], n_head=cfg["heads"],
-                                                  seq_len=cfg["seq"], vocab_size=cfg["vocab"],
-                                                  batch_size=cfg["microbatch"] * m, seed=0)
+        mk = cfg["model_kwargs"]
+        model, inputs, target, loss_fn = make_gpt(**{**mk, "batch_size": mk["batch_size"] * m})
         pm = autopar.parallelize(model, inputs, loss_fn=loss_fn,
                                  optimizer=functools.partial(torch.optim.AdamW, lr=1e-4), example_target=target,
                                  plan=autopar.Plan(pp=2, schedule=schedule, num_microbatches=m))
@@ -75,12 +76,7 @@ def _rank_main(rank, world, cfg):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--microbatch", type=int, default=2, help="samples per microbatch (fixed)")
+    add_model_args(ap, layers=4, d_model=256, heads=4, seq=256, batch=2, vocab=256)  # --batch: one microbatch
     ap.add_argument("-m", "--m", default="4,8,16,32", help="microbatch counts, comma-separated")
     ap.add_argument("--base", type=int, default=8, help="the m the largest m is compared with")
     ap.add_argument("--schedules", default="1f1b,zb-h1,zbv")
@@ -90,11 +86,10 @@ def main(argv=None) -> int:
     scheds = [s.strip() for s in args.schedules.split(",") if s.strip()]
     runs = [(s, m) for s in scheds for m in ms]
     print(f"memory_vs_microbatches: gpt {args.layers} layers, d_model {args.d_model}, seq {args.seq}, microbatch "
-          f"{args.microbatch} samples, pp=2 on 2 gloo ranks; peak live tensor bytes of the second step "
+          f"{args.batch} samples, pp=2 on 2 gloo ranks; peak live tensor bytes of the second step "
           f"(runtime.memory_probe)", flush=True)
     t0 = time.perf_counter()
-    cfg = dict(runs=runs, layers=args.layers, d_model=args.d_model, heads=args.heads, seq=args.seq,
-               vocab=args.vocab, microbatch=args.microbatch)
+    cfg = dict(runs=runs, model_kwargs=model_kwargs(args))
     ranks = run_ranks(_rank_main, 2, cfg, deadline_s=args.deadline)
     print(f"ran {len(runs)} plans x 2 steps in {time.perf_counter() - t0:.1f} s", flush=True)
     ok = True

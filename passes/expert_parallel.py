@@ -377,8 +377,8 @@ def dispatch_form(model: nn.Module):
         yield
     finally:
         for experts, (cls, attrs) in reversed(undo):
-            # the captured graph's key must keep finding its entry: the module keeps it (the
-            # dispatch registry only holds entries weakly)
+            # the captured graph's key must keep finding its entry until the capture is cut into
+            # stages (which pin their entries): the module keeps it (the registry is weak)
             experts.__dict__["_autopar_dispatch_form"] = experts.__dict__.get("_autopar_dispatch")
             experts.__class__ = cls
             for a in _EP_ATTRS:

@@ -117,7 +117,6 @@ class _Experts:
     warned_at: float = float("-inf")  # time.monotonic() of the last over-priced warning
     unwarned: int = 0  # over-priced dispatches since that warning
     states: dict = field(default_factory=dict)  # handle -> _State: this module's dispatches in flight
-    key: int = 0
 
     def __deepcopy__(self, memo):
         return self  # copies of an experts module share its entry (the graph passes the values)
@@ -135,7 +134,6 @@ _KEY_SHIFT = 32
 @dataclass
 class _State:
     layer: str
-    key: int  # the experts module's registry key (which model's state this is)
     order: torch.Tensor  # [S] sorted position -> assignment (token * k + choice)
     send: list[int]  # rows sent to each group rank
     recv: list[int]  # rows received from each group rank
@@ -223,7 +221,7 @@ def register_experts(module, run: Callable, params: dict, layer: str, n_experts:
         log.info("moe_dispatch: %s: per-row costs from its weights (%d FLOPs, %d saved elements a row): the fake "
                  "probe raised %s", layer, flops, saved, type(e).__name__)
     key = next(_KEYS)
-    spec = _Experts(run, tuple(params), layer, int(n_experts), flops, saved, key=key)
+    spec = _Experts(run, tuple(params), layer, int(n_experts), flops, saved)
     _REGISTRY[key] = spec
     module._autopar_dispatch = spec  # the module owns its entry (the registry only finds it)
     module._autopar_dispatch_key = key
@@ -443,7 +441,7 @@ def _send(x, ids, weights, key, group, ep, n_local):
     mine = per_dest[:, me]  # [source rank, local expert]: the rows this rank receives
     # local expert of every received row: source-major, then expert-major within a source
     local_ids = torch.repeat_interleave(torch.arange(n_local, device=x.device).repeat(ep), mine.reshape(-1))
-    st = _State(spec.layer, key, order, per_dest[me].sum(dim=1).tolist(), mine.sum(dim=1).tolist(), local_ids,
+    st = _State(spec.layer, order, per_dest[me].sum(dim=1).tolist(), mine.sum(dim=1).tolist(), local_ids,
                 mine.sum(dim=0).tolist())
     _all_to_all(st, "rows", x.index_select(0, torch.div(order, k, rounding_mode="floor")), st.recv, st.send, pg)
     _all_to_all(st, "weights", weights.reshape(-1).index_select(0, order), st.recv, st.send, pg)

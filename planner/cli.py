@@ -151,19 +151,16 @@ def _run(args, say) -> int:
 
     pin = parse_pin(args.pin) if args.pin else None
 
+    seq = args.seq or 4096  # presets and --hf-config are built at this length
+    if seq < 1:
+        raise ValueError(f"--seq must be >= 1, got {seq}")
     if args.preset is not None:
-        seq = args.seq or 4096
-        if seq < 1:
-            raise ValueError(f"--seq must be >= 1, got {seq}")
         say(f"building preset {args.preset} on the meta device (seq {seq})")
         pm = presets.build_preset(args.preset, seq_len=seq)
         kwargs = dict(name=pm.name, layer_repeats=pm.layer_repeats, expert_prefixes=pm.expert_param_prefixes,
                       n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq, moe=pm.moe)
         model, inputs, target, loss_fn = pm.model, pm.inputs, pm.target, pm.loss_fn
     elif args.hf_config is not None:
-        seq = args.seq or 4096
-        if seq < 1:
-            raise ValueError(f"--seq must be >= 1, got {seq}")
         say(f"building {args.hf_config} on the meta device (seq {seq})")
         kwargs = dict(hf_config=args.hf_config, seq_len=seq)
         model = inputs = target = loss_fn = None

@@ -11,6 +11,7 @@ bytes; everything else is sent contiguous and gets the traced strides back at th
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -112,10 +113,7 @@ def expected(specs: dict[str, tuple]) -> dict[str, Spec]:
 
 
 def _nbytes(spec: Spec) -> int:
-    n = 1
-    for x in spec[0]:
-        n *= x
-    return n * torch.empty((), dtype=getattr(torch, spec[1])).element_size()
+    return math.prod(spec[0]) * getattr(torch, spec[1]).itemsize
 
 
 def mismatches(sends: dict, expects: dict) -> list[str]:

@@ -81,7 +81,8 @@ class DistributedPipeline:
         self._out_wires = {s: input_wires(programs[s + 1].stage) for s in self.my_stages
                            if s + 1 < schedule.num_stages and self.owner[s + 1] != mesh.pp_rank}
         self._grad_specs = {s: _grad_specs(programs[s]) for s in self.my_stages}
-        # the shape and dtype each gradient this rank sends must have: what its receiver expects
+        # the shape and dtype every tensor this rank sends must have: what its receiver allocates
+        self._act_out_specs = {s: {n: (w.shape, w.dtype) for n, w in ws.items()} for s, ws in self._out_wires.items()}
         self._grad_out_specs = {s: _grad_specs(programs[s - 1]) for s in self.my_stages
                                 if s > 0 and self.owner[s - 1] != mesh.pp_rank}
         if mesh.pp > 1:
@@ -267,7 +268,7 @@ class DistributedPipeline:
         wires = self._out_wires[s]
         tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(wires))]
         packed = [w.pack(outs[n]) for n, w in wires.items()]
-        self._check_sent(s, s + 1, "activations", packed, {n: (w.shape, w.dtype) for n, w in wires.items()})
+        self._check_sent(s, s + 1, "activations", packed, self._act_out_specs[s])
         with self.comm.launch():
             self._hold_send(("F", s, k), comms.isend(packed, self.mesh.global_rank(self.owner[s + 1]), tags))
 

@@ -53,7 +53,7 @@ class StageWork:
         self.grads = grads if hasattr(grads, "accumulator") else ParamGrads(grads)
         self.envs: dict[tuple[int, int], dict] = {}
         self.losses: dict[int, torch.Tensor] = {}
-        self._scale = None
+        self._scale: dict = {}  # loss scale -> its 0-dim tangent tensor, per step
         # grad_sink(fqn, grad) -> True when it took the gradient (ZeRO-2/3 flat buffers)
         self.grad_sink = grad_sink
         self._grad_keys = {s: tuple(keys.gparam(fqn) for fqn in prog.grad_params) for s, prog in programs.items()}

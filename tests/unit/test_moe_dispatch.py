@@ -48,13 +48,15 @@ def test_dropless_equals_brute_force(k, skew):
 
 
 class _Net(nn.Module):
-    def __init__(self):
+    """linear -> dropless MoE (a shared expert) -> linear -> dropless MoE -> head; (out, aux)."""
+
+    def __init__(self, d=16, hidden=24, experts=4, k=2):
         super().__init__()
-        self.inp = nn.Linear(6, 16)
-        self.moe1 = MoE(16, 24, 4, 2, n_shared_experts=1, capacity_factor=None, aux_loss_weight=0.1)
-        self.mid = nn.Linear(16, 16)
-        self.moe2 = MoE(16, 24, 4, 2, capacity_factor=None, aux_loss_weight=0.1)
-        self.head = nn.Linear(16, 3)
+        self.inp = nn.Linear(6, d)
+        self.moe1 = MoE(d, hidden, experts, k, n_shared_experts=1, capacity_factor=None, aux_loss_weight=0.1)
+        self.mid = nn.Linear(d, d)
+        self.moe2 = MoE(d, hidden, experts, k, capacity_factor=None, aux_loss_weight=0.1)
+        self.head = nn.Linear(d, 3)
 
     def forward(self, x):
         h = self.inp(x)
@@ -246,31 +248,16 @@ def test_dualpipev_units_interleave_their_dispatch_chains(monkeypatch):
     assert 0 < interleaved <= 2 * units
 
 
-class _SmallNet(nn.Module):
-    """Another MoE model: one dropless block of 8 experts, top-1."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 8)
-        self.moe = MoE(8, 12, 8, 1, capacity_factor=None, aux_loss_weight=0.05)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        h = self.inp(x)
-        y, aux = self.moe(h)
-        return self.head(h + y), aux
-
-
 def test_two_models_in_one_process_own_their_dispatch_state():
     """Two ParallelModels of different MoE models step alternately (one at pp=2 zbv, W late):
     each equals its plain-PyTorch eager run, each one's metrics count only its own dispatches
-    (2 + 1 blocks x 4 microbatches, and 1 x 4), neither leaves a state behind, and a freed model
+    (2 blocks x 4 microbatches each), neither leaves a state behind, and a freed model
     takes its dispatch entries (runner, statistics, states) with it."""
     import gc
     import weakref
 
     torch.manual_seed(0)
-    nets = [_Net(), _SmallNet()]
+    nets = [_Net(), _Net(d=8, hidden=12, experts=8, k=1)]  # another MoE model: 8 experts, top-1
     plans = [autopar.Plan(pp=2, schedule="zbv", num_microbatches=4), autopar.Plan(pp=1, num_microbatches=4)]
     refs = [plain_moe(n) for n in nets]
     x, t = torch.randn(8, 3, 6), torch.randn(8, 3, 3)
@@ -278,16 +265,16 @@ def test_two_models_in_one_process_own_their_dispatch_state():
            for n, p in zip(nets, plans)]
     opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in refs]
     for _ in range(2):
-        for pm, ref, opt, blocks in zip(pms, refs, opts, (2, 1)):
+        for pm, ref, opt in zip(pms, refs, opts):
             _step_equals_eager(pm, ref, opt, x, t)
             assert pm.metrics["moe_max_receive_rows"] > 0
-            assert moe_dispatch.receive_stats(pm.built.moe_keys)["dispatches"] == blocks * 4
+            assert moe_dispatch.receive_stats(pm.built.moe_keys)["dispatches"] == 2 * 4
     for pm, ref in zip(pms, refs):
         state = pm.state_dict()
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
-    key = nets[1].moe.experts._autopar_dispatch_key
-    alive = weakref.ref(nets[1].moe.experts._autopar_dispatch)
+    key = nets[1].moe1.experts._autopar_dispatch_key
+    alive = weakref.ref(nets[1].moe1.experts._autopar_dispatch)
     del pms[1], nets[1], opts, refs, pm, ref
     gc.collect()
     assert alive() is None and key not in moe_dispatch._REGISTRY
