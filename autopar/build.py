@@ -13,7 +13,8 @@
     capture     model + loss on one microbatch (passes/capture.py); a model on the meta device
                 or under mixed precision is captured on fake tensors of the compute dtype
     graph       graph rewrites of the capture (ContextParallel)
-    split       pipeline stages (passes/split_stages.py) and the schedule (schedules/)
+    split       pipeline stages (passes/split_stages.py), the last one's loss chunked when the
+                plan says so (passes/chunked_loss.py), and the schedule (schedules/)
     programs    F/I/W/B of this process's stages (passes/split_backward.stage_programs)
     executor    the step's owners: PipelineParallel, DataParallel (materializes what this
                 process trains from the live model, a checkpoint or the init; masters, compute
@@ -305,9 +306,11 @@ def rewrite_graph(*, captured, owners: dict):
 
 def split(*, captured, plan: Plan):
     from autopar.passes import split_stages
+    from autopar.passes.chunked_loss import chunk_stage_loss
 
     t0 = time.perf_counter()
     stages = split_stages(captured, plan.num_stages, cuts=list(plan.stage_cuts) if plan.stage_cuts else None)
+    stages = [chunk_stage_loss(st, plan.loss_chunk_tokens) for st in stages]
     schedule = schedules.build(plan.schedule, plan.pp, plan.num_microbatches, stages_per_rank=plan.stages_per_rank)
     log.info("autopar: split into %d stages (cost %s) in %.2fs; schedule %s", len(stages),
              ", ".join(f"{s.cost * 1e3:.2f}" for s in stages), time.perf_counter() - t0, schedule.name)

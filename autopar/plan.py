@@ -22,6 +22,9 @@ class Plan:
     ``moe_receive_limit``: a hard limit on the same ratio, set only by the user: a dispatch over
     it fails on every rank of the group with a ``ReceiveBoundError`` naming the layer and the
     counts; None (the default): none, a dropless dispatch runs at any imbalance.
+    ``loss_chunk_tokens``: the last stage's LM head and cross-entropy run this many tokens at a
+    time, never holding the ``[tokens, vocab]`` logits (passes/chunked_loss.py); 0 (the
+    default): off, the loss runs as captured. A loss of another form always runs as captured.
     """
 
     pp: int = 1
@@ -36,6 +39,7 @@ class Plan:
     zero: int = 0  # ZeRO level over the dp*cp replicas: 1 optimizer states, 2 + gradients, 3 + parameters
     moe_imbalance: float | None = None
     moe_receive_limit: float | None = None
+    loss_chunk_tokens: int = 0
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -56,6 +60,10 @@ class Plan:
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"autopar.Plan: {name}={v!r} must be a number >= 1 (the largest receive over the "
                                  "mean; 1.0 is perfectly balanced routing) or None")
+        c = self.loss_chunk_tokens
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            raise ValueError(f"autopar.Plan: loss_chunk_tokens={c!r} must be an int >= 0 (tokens per chunk of the "
+                             "chunked cross-entropy; 0 turns it off)")
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
                              f"{self.dp * self.cp} "
@@ -97,6 +105,7 @@ class Plan:
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]
                                         if self.moe_imbalance is not None else []) + (
-            [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else [])
+            [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else []) + (
+            [("loss chunk (tokens)", self.loss_chunk_tokens)] if self.loss_chunk_tokens else [])
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

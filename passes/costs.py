@@ -16,6 +16,8 @@ from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from autopar import linear_ce
+
 from . import moe_dispatch
 
 # A crude CPU-ish roofline used only to *balance* stages against each other; the planner
@@ -44,6 +46,9 @@ _EXTRA_FLOP_RULES = {
     # keyed by overload packet; FlopCounterMode passes shapes in place of tensors
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_fwd,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd,
+    # the chunked cross-entropy (autopar/linear_ce.py): its head GEMMs
+    **{op.overloadpacket: (lambda *shapes, out_val=None, _op=op, **kw: linear_ce.flops(_op, shapes))
+       for op in (linear_ce.FORWARD_OP, linear_ce.GRAD_INPUT_OP, linear_ce.GRAD_WEIGHT_OP, linear_ce.GRAD_OP)},
 }
 
 

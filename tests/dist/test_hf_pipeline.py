@@ -8,6 +8,7 @@ eager PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps
   4 ranks: pp=2 x dp=2, 1f1b: Llama, Mixtral, BERT; and H4: a dict batch
            (``input_ids``, ``attention_mask``) with a loss_fn, and ``labels`` in the dict with
            ``loss_fn=None`` (the model's own loss), on Llama
+  2 ranks: Gemma2 at pp=2 zbv with the chunked cross-entropy (``loss_chunk_tokens``)
   R3 (2 ranks): T5, an encoder-decoder (learned relative position bias as SDPA mask,
            cross-attention), ``input_ids``, ``attention_mask``, ``decoder_input_ids`` and
            ``labels`` in the dict, pp=2 zbv: the encoder output and its mask cross into the
@@ -32,7 +33,9 @@ MATRIX = {
     # serves both schedules at 4 microbatches: tests/dist/harness.reuse_captures)
     2: [(name, dict(pp=2, schedule=s, num_microbatches=4), "tuple") for name in ALL
         for s in ("zbv", "1f1b") if s == "zbv" or FULL or name in ("gpt2", "llama")]
-    + [("t5", dict(pp=2, schedule="zbv", num_microbatches=4), "seq2seq")],
+    + [("t5", dict(pp=2, schedule="zbv", num_microbatches=4), "seq2seq"),
+       # issue 35: the chunked cross-entropy over gloo (fp32 cast + soft-capping before the loss)
+       ("gemma2", dict(pp=2, schedule="zbv", num_microbatches=4, loss_chunk_tokens=24), "tuple")],
     4: [(name, dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "tuple") for name in ("llama", "mixtral", "bert")]
     + [("llama", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "dict"),
        ("llama", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2), "labels")],
