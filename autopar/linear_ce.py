@@ -89,7 +89,8 @@ def _forward(h, weight, bias, target, ignore_index, chunk, ops, values):
 def _chunk_grad(grad_tok, h_c, weight, bias, target_c, lse_c, ignore_index, ops, values) -> torch.Tensor:
     """d loss / d (head output) of one chunk, in the head's dtype."""
     z, trail = _epilogue(F.linear(h_c, weight, bias), ops, values)
-    p = torch.exp(z.float() - lse_c[:, None])
+    p = z.float() - lse_c[:, None]
+    p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities and their gradient
     valid, col = _picked(z, target_c, ignore_index)
     p.scatter_add_(1, col[:, None], -valid.to(p.dtype)[:, None])
     p.mul_(torch.where(valid, grad_tok.float(), 0.0)[:, None])
@@ -202,6 +203,28 @@ def flops(target, shapes) -> int | None:
         return None
     h, weight = (shapes[0], shapes[1]) if target is FORWARD_OP else (shapes[1], shapes[2])
     return times * 2 * int(h[0]) * int(h[1]) * int(weight[0])
+
+
+# one chunk's logits hold at most this many elements (256 MiB in fp32): small enough to keep
+# the loss's working set near a gigabyte at any vocabulary, large enough for efficient GEMMs
+CHUNK_ELEMENTS = 2 ** 26
+
+
+def default_chunk(vocab: int) -> int:
+    """Tokens per chunk for a vocabulary: the largest power of two whose ``[chunk, vocab]``
+    logits hold at most ``CHUNK_ELEMENTS`` elements, within [128, 32768]."""
+    c = 128
+    while c * 2 * vocab <= CHUNK_ELEMENTS and c < 32768:
+        c *= 2
+    return c
+
+
+def working_bytes(chunk: int, vocab: int, head_itemsize: int, fp32_steps: int) -> int:
+    """Bytes the ops hold at once for one chunk of ``chunk`` tokens (their peak, inside the
+    kernels, beyond their inputs and outputs): the head's output, each fp32 element-wise step of
+    the epilogue, and two fp32 ``[chunk, vocab]`` buffers (the probabilities and, in the forward,
+    the exponential ``logsumexp`` forms; in the backward, the gradient cast back)."""
+    return chunk * vocab * (head_itemsize + 4 * fp32_steps + 8)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,

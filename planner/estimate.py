@@ -318,7 +318,8 @@ class Evaluator:
     """Prices candidates of one model on one device; caches unit times per (kind, scale)."""
 
     def __init__(self, profile: ModelProfile, device, memory_limit: float, global_batch: int,
-                 bucket_bytes: float = 25 * 2 ** 20, moe_imbalance: float = DEFAULT_MOE_IMBALANCE):
+                 bucket_bytes: float = 25 * 2 ** 20, moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
+                 loss_chunking: bool = True):
         if not moe_imbalance >= 1.0:
             raise ValueError(f"moe_imbalance is the max/mean ratio of the rows an expert-parallel rank receives: "
                              f"it must be >= 1, got {moe_imbalance}")
@@ -335,6 +336,20 @@ class Evaluator:
         self._sims: dict = {}   # identical pipelines (e.g. ZeRO 0/1/2 of one layout) simulate once
         self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
         self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
+        self._chunked: Evaluator | None = None
+        self.loss_chunking = loss_chunking
+
+    @property
+    def chunked(self) -> "Evaluator | None":
+        """The Evaluator of the same model with its loss chunked (``ModelProfile.chunked``), on
+        the same device, limit and batch; None when the model has no chunkable loss (or
+        ``loss_chunking`` is off)."""
+        if self.profile.chunked is None or not self.loss_chunking:
+            return None
+        if self._chunked is None:
+            self._chunked = Evaluator(self.profile.chunked, self.device, self.memory_limit, self.global_batch,
+                                      self.bucket_bytes, self.moe_imbalance)
+        return self._chunked
 
     def expert_replicas(self, lay: Layout) -> int:
         """Ranks holding the same experts (the expert-data-parallel group): dp*cp/ep."""
@@ -988,7 +1003,15 @@ class Evaluator:
             gather = static.pop("zero-3 gather")
             act = float(act_peaks[r])
             moe = max(0.0, act - moe_free[r]) if moe_free is not None else 0.0
-            work = max((k.work_bytes for k in kinds), default=0.0) * sc
+            # the last unit's working set beyond the others': the logits and loss (chunked or not)
+            last = self.units[-1].kind if self.units[-1].name == "epilogue" and s2r[-1] == r else None
+            work = max((k.work(sc) for k in kinds if k is not last), default=0.0)
+            # a recomputing stage's I replays its whole forward first: one microbatch's saved
+            # values of every unit of the stage are live while its backward runs
+            replay = max((sum(k.saved_bytes for k in stage_kinds[s]) * sc for s in range(len(s2r))
+                          if s2r[s] == r and part.recompute[s]), default=0.0)
+            work += replay
+            loss_work = max(0.0, last.work(sc) - work) if last is not None else 0.0
             gout = self.grad_output_bytes(lay, part, s2r, r)
             # the reduction buffers come after the rank's backward, when its activations and
             # transients are gone: only what they need beyond the pipeline phase's peak counts
@@ -998,10 +1021,12 @@ class Evaluator:
                 "activations": act - moe,
                 "moe receive": moe,
                 "working": work,
+                "logits/loss": loss_work,
                 "grad outputs": gout,
                 "p2p buffers": self.p2p_bytes(lay, part, s2r, r),
-                "dp buckets": max(0.0, red - (act + work + gout)) if red_name == "dp buckets" else 0.0,
-                "zero-1 buffers": max(0.0, red - (act + work + gout)) if red_name == "zero-1 buffers" else 0.0,
+                "dp buckets": max(0.0, red - (act + work + loss_work + gout)) if red_name == "dp buckets" else 0.0,
+                "zero-1 buffers": max(0.0, red - (act + work + loss_work + gout))
+                if red_name == "zero-1 buffers" else 0.0,
                 "zero-3 gather": gather,
                 "runtime": runtime_overhead(self.device),
             }

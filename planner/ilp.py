@@ -132,7 +132,7 @@ def solve_partition(ev: Evaluator, lay: Layout, schedule, frac: float, allow_rec
             held.append(runs[0])
         if tail and s2r[S - 1] == rank:
             held.append(runs[-1])
-        work = max(k.work_bytes for k, _ in held) * sc
+        work = max(k.work(sc) for k, _ in held)
         out_max = max(max(k.out_bytes, k.in_bytes) for k, _ in held) * sc
         return sum(_fixed_memory(ev, lay, work, out_max).values()) / MS
 

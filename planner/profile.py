@@ -191,6 +191,16 @@ class UnitKind:
     # times the unit's F, I and W programs on real tensors in this process: (f, i, w) seconds at
     # the captured microbatch; None for models captured on fake tensors (meta presets)
     measure: Callable[[], tuple[float, float, float]] | None = field(default=None, compare=False, repr=False)
+    # the chunked cross-entropy's buffers inside its ops, which no graph value shows
+    # (autopar/linear_ce.working_bytes): bytes per token of one chunk, the chunk, and the loss's
+    # tokens at the captured microbatch (a microbatch with fewer tokens than a chunk holds fewer)
+    loss_chunk_row_bytes: float = 0.0
+    loss_chunk: int = 0
+    loss_tokens: int = 0
+
+    def work(self, scale: float) -> float:
+        """The transient working set at ``scale`` times the captured microbatch."""
+        return self.work_bytes * scale + min(self.loss_chunk, self.loss_tokens * scale) * self.loss_chunk_row_bytes
 
     def times(self, device, scale: float) -> tuple[float, float, float]:
         """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch.
@@ -339,6 +349,11 @@ class ModelProfile:
     shared_params: tuple[tuple[tuple[int, ...], int], ...] = ()
     captured: object = field(default=None, repr=False)
     unit_timer: object = field(default=None, repr=False)  # times the units on this machine (real CPU captures)
+    # the same model with its LM head + cross-entropy chunked (passes/chunked_loss.py) at
+    # ``loss_chunk_tokens``: its last unit is the chunked epilogue; None when the loss is of
+    # another form (or this is that profile)
+    chunked: "ModelProfile | None" = field(default=None, repr=False)
+    loss_chunk_tokens: int = 0
 
     def retime_units(self, budget_s: float = 0.3) -> list | None:
         """Time every distinct unit's programs again, now (see ``_UnitTimer``); returns the new
@@ -506,10 +521,11 @@ class _UnitTimer:
         self.result: list[tuple] | None = None
         self._second = None
 
-    def add(self, sp, stage) -> Callable[[], tuple]:
-        """Register a unit; returns the function that gives its measurement: ((F, I, W) seconds
-        at the captured microbatch, (F, I, W) at the second size or None, second size / first)."""
-        self.units.append((sp, stage))
+    def add(self, sp, stage, loss_chunk: int = 0) -> Callable[[], tuple]:
+        """Register a unit (``loss_chunk``: its loss chunked at that many tokens, the second size
+        too); returns the function that gives its measurement: ((F, I, W) seconds at the captured
+        microbatch, (F, I, W) at the second size or None, second size / first)."""
+        self.units.append((sp, stage, loss_chunk))
         index = len(self.units) - 1
         return lambda: self.times(index)
 
@@ -535,7 +551,8 @@ class _UnitTimer:
         def build():
             from autopar.passes import expert_parallel, keys
             from autopar.passes.capture import capture
-            from autopar.passes.split_backward import stage_programs
+            from autopar.passes.chunked_loss import chunk_stage_loss
+            from autopar.passes.split_backward import split_backward, stage_programs
 
             ins, tgt = tuple(resize(x) for x in inputs), resize(target)
             try:
@@ -547,14 +564,23 @@ class _UnitTimer:
                 return None
             if labels1 != labels:
                 return None
-            wanted = {st.index for _sp, st in self.units}
-            progs = stage_programs(stages, set(cap.params.values()), held=wanted, stop_after=len(wanted))
+            wanted = {st.index for _sp, st, _c in self.units}
+            trainable = set(cap.params.values())
+            progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted))
+
+            def unit(st, chunk):
+                if not chunk:
+                    return progs[st.index], stages[st.index]
+                requires = {n: True for n in progs[st.index - 1].diff_outputs} if st.index else {}
+                chunked = chunk_stage_loss(stages[st.index], chunk)
+                return split_backward(chunked, requires, trainable), chunked
+
             state = dict(self.state)
             state.update(keys.state({}, {}, cap.constants))
             data = dict(zip(cap.inputs, ins))
             if cap.target is not None:
                 data[cap.target] = tgt
-            return [(progs[st.index], stages[st.index]) for _sp, st in self.units], state, data, b1 / batch0
+            return [unit(st, c) for _sp, st, c in self.units], state, data, b1 / batch0
 
         self._second = build
 
@@ -603,7 +629,7 @@ class _UnitTimer:
             if not reuse or not hasattr(self, "_second_built"):
                 self._second_built = self._second() if self._second is not None else None
             second = self._second_built
-            jobs = [(sp, stage, self.state, self.data) for sp, stage in self.units]
+            jobs = [(sp, stage, self.state, self.data) for sp, stage, _c in self.units]
             if second is not None:
                 units1, state1, data1, ratio = second
                 jobs += [(sp, stage, state1, data1) for sp, stage in units1]
@@ -788,7 +814,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         seen.add(sig)
         return new
 
+    last_requires: dict = {}  # which inputs of the last unit carry a gradient
     for st, label, sp in zip(stages, labels, stage_programs(stages, trainable, held=first_of_its_kind)):
+        if st.index == len(stages) - 2:
+            last_requires = {name: True for name in sp.diff_outputs}
         sig = sigs[st.index]
         if isinstance(sp, StageProgram):
             kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
@@ -802,6 +831,8 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                                      saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
                                                                                    + routed.row_bytes))
         unit_kinds.append(kinds[sig])
+    chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
+                                            timer if real else None)
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
     if moe:
@@ -846,7 +877,34 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         for fqn in st.params:
             held_by.setdefault(fqn, []).append(first_unit[k])
     shared = tuple((tuple(us), int(numel.get(fqn, 0))) for fqn, us in sorted(held_by.items()) if len(us) > 1)
-    return ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
-                        n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
-                        shared_params=shared, captured=captured,
-                        unit_timer=timer if real else None)
+    profile = ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
+                           n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
+                           shared_params=shared, captured=captured,
+                           unit_timer=timer if real else None)
+    if chunked_kind is not None:
+        last = units[-1]
+        profile.chunked = replace(profile, units=units[:-1] + [replace(last, kind=chunked_kind)],
+                                  loss_chunk_tokens=chunk)
+    return profile
+
+
+def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer):
+    """(the last unit's kind with its LM head + cross-entropy chunked, the chunk in tokens), or
+    (None, 0) when the unit has no such loss. The chunk: ``linear_ce.default_chunk`` of the
+    vocabulary; its buffers inside the ops (not graph values) are the kind's fixed working set."""
+    from autopar import linear_ce
+    from autopar.passes.chunked_loss import chunk_stage_loss, find_linear_losses
+    from autopar.passes.split_backward import split_backward
+
+    found = find_linear_losses(stage.gm) if stage.has_loss else []
+    if not found:
+        return None, 0
+    m = max(found, key=lambda f: f.vocab)
+    chunk = linear_ce.default_chunk(m.vocab)
+    head = m.head.meta["val"]
+    fp32_steps = sum(1 for n in m.chain if n.meta["val"].dtype == torch.float32 and not _is_view(n))
+    row = linear_ce.working_bytes(1, m.vocab, head.element_size(), fp32_steps)
+    chunked = chunk_stage_loss(stage, chunk)
+    sp = split_backward(chunked, requires, trainable)
+    kind = _unit_kind(plain.kind, sp, chunked, is_expert, measure=timer.add(sp, chunked, chunk) if timer else None)
+    return replace(kind, loss_chunk_row_bytes=float(row), loss_chunk=chunk, loss_tokens=m.tokens), chunk

@@ -36,7 +36,7 @@ def memory_formula(res: PlanResult, est: Estimate, rank: int) -> sympy.Expr:
     row = est.memory[rank]
     lay = est.layout
     tokens = lay.b * (res.evaluator.profile.seq_len or 1)
-    phase = ("activations", "moe receive", "working")
+    phase = ("activations", "moe receive", "working", "logits/loss")
     reduction = ("dp buckets", "zero-1 buffers")
     static = sum(v for k, v in row.items() if k not in phase + reduction + ("p2p buffers", "grad outputs"))
     p2p = sympy.Float(row["p2p buffers"] / tokens, 6) * b * s
@@ -54,7 +54,8 @@ def _gib(x: float) -> str:
 def _layout_dict(c: Candidate) -> dict:
     lay = c.layout
     return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "schedule": lay.schedule,
-            "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero}
+            "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero,
+            "loss_chunk_tokens": c.loss_chunk}
 
 
 def candidate_dict(c: Candidate) -> dict:
@@ -215,6 +216,23 @@ def pin_report(res: PlanResult, c: Candidate) -> list[str]:
     return out
 
 
+def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
+    """What the plan does with the LM head + cross-entropy (when the model has one the chunked
+    loss can take): chunked or not, and the last unit's working set both ways."""
+    ev = res.evaluator
+    chunked = ev.profile.chunked
+    if chunked is None:
+        return []
+    sc = ev.scale(c.layout)
+    plain, small = ev.units[-1].kind.work(sc), chunked.units[-1].kind.work(sc)
+    if c.loss_chunk:
+        return [f"  cross-entropy chunked at {c.loss_chunk} tokens: the last unit's working set "
+                f"{small / GiB:.2f} GiB instead of {plain / GiB:.2f} GiB with the whole logits (memory binds)"]
+    return [f"  cross-entropy as captured: the last unit's working set {plain / GiB:.2f} GiB with the whole logits "
+            f"({small / GiB:.2f} GiB chunked at {chunked.loss_chunk_tokens} tokens; not used: this plan fits "
+            "faster without it)"]
+
+
 def _why_lost(c: Candidate) -> str:
     return c.reason or c.status
 
@@ -255,6 +273,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     L += ["", "chosen plan",
           f"  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
+          *loss_lines(res, c),
           f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "
           f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
           f"bubble {est.bubble * 100:.1f}%", "", "stages"]

@@ -69,6 +69,7 @@ class Request:
     # are searched; keys are Layout fields (``microbatches``/``num_microbatches`` mean ``m``)
     pin: tuple = ()
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # max/mean rows an EP rank receives (dropless MoE)
+    loss_chunking: bool = True          # price the chunked cross-entropy where memory binds (--no-loss-chunk)
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0:
@@ -137,6 +138,7 @@ class Candidate:
     estimate: Estimate | None = None
     ilp: ILPResult | None = None
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
+    loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
 
     @property
     def time(self) -> float:
@@ -307,7 +309,8 @@ def _first_valid(combos, pp, dp, cp, ep, z, per_replica) -> Layout | None:
 def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], None] | None = None) -> PlanResult:
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance)
+    ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance,
+                   loss_chunking=req.loss_chunking)
     cands: list[Candidate] = []
     rejected: list[Candidate] = []
     rejected_seen = set()
@@ -618,6 +621,33 @@ class _Screen:
 
 
 def _simulate(ev: Evaluator, c: Candidate) -> bool:
+    """``_simulate_one``, and where memory binds (over the limit, or fitting only by
+    recomputing) and the model has a chunkable loss, the same with the loss chunked
+    (``Evaluator.chunked``): the better of the two is kept (fitting first, then the faster or
+    the smaller peak), its ``loss_chunk`` set. Chunking only adds work (a recomputed head GEMM),
+    so where memory does not bind the loss stays as captured."""
+    timed = _simulate_one(ev, c)
+    alt = ev.chunked
+    binds = c.status == "oom" or (c.estimate is not None and any(c.estimate.partition.recompute))
+    if alt is None or c.loss_chunk or not binds:
+        return timed
+    other = Candidate(c.layout, "screened", loss_chunk=alt.profile.loss_chunk_tokens)
+    timed_other = _simulate_one(alt, other)
+    fits, fits_other = c.status == "feasible", other.status == "feasible"
+    if (fits_other and (not fits or other.time < c.time)) or (
+            not fits and not fits_other and other.peak is not None and (c.peak is None or other.peak < c.peak)):
+        c.status, c.reason, c.estimate, c.peaks, c.loss_chunk = (other.status, other.reason, other.estimate,
+                                                                  other.peaks, other.loss_chunk)
+        return timed_other
+    return timed
+
+
+def evaluator_of(ev: Evaluator, c: Candidate) -> Evaluator:
+    """The Evaluator that priced ``c`` (the chunked-loss one when ``c.loss_chunk``)."""
+    return ev.chunked if c.loss_chunk else ev
+
+
+def _simulate_one(ev: Evaluator, c: Candidate) -> bool:
     """Balanced boundaries, recomputing everywhere if that is what fits; returns False when the
     layout was found over the memory limit without timing it (fixed-order schedules)."""
     lay = c.layout
@@ -697,6 +727,7 @@ def _classify(c: Candidate) -> None:
 
 
 def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
+    ev = evaluator_of(ev, c)
     lay = c.layout
     if c.estimate is None:  # found OOM before timing: price it now, the ILP starts from it
         S = lay.num_stages
@@ -744,7 +775,7 @@ def to_plan(res_or_ev, cand: Candidate):
     return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule, num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
-                moe_imbalance=plan_moe_imbalance(ev, lay))
+                moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk)
 
 
 def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:
