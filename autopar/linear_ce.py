@@ -1,25 +1,26 @@
 """Chunked linear cross-entropy: the LM head and its loss without the ``[tokens, vocab]`` logits.
 
-``loss_tok, lse = torch.ops.autopar.linear_ce_forward(h, weight, bias, target, ignore_index,
-chunk, epilogue, values)`` is, token for token, what
+``loss_tok, lse, grad_h = torch.ops.autopar.linear_ce_forward(h, weight, bias, target,
+ignore_index, chunk, epilogue, values)`` is, token for token, what
 
     z = epilogue(torch.nn.functional.linear(h, weight, bias))      # [N, V]
     loss_tok = cross_entropy(z, target, ignore_index=ignore_index, reduction="none")
 
 computes (in fp32: ``loss_tok`` and the log-sum-exp ``lse`` of every token are fp32), one chunk of
 ``chunk`` tokens at a time: only one chunk's logits exist at any moment, and nothing of size
-``[N, V]`` is kept for the backward (``h``, ``target`` and ``lse`` are). ``epilogue`` is the
+``[N, V]`` is kept for the backward. ``epilogue`` is the
 element-wise chain between the head and the loss, as comma-separated op names with one
 constant each in ``values``: ``"to:<dtype>"`` (a cast, e.g. the ``logits.float()`` of Hugging Face models),
 ``"mul"``, ``"div"`` (by the constant) and ``"tanh"`` (logit soft-capping is
 ``div c, tanh, mul c``).
 
-The backward recomputes each chunk's logits and is split the way pipeline schedules want it:
-``linear_ce_grad_input`` (the hidden states' gradient, what the previous stage waits for: I)
-and ``linear_ce_grad_weight`` (the head's weight and bias gradients: W, deferrable); each
-recomputes the chunk logits it needs. ``linear_ce_grad`` computes all of them in one pass over
-the chunks, for a program that runs both (the fused B; passes/exec_code.py merges the pair).
-Weight gradients are accumulated over the chunks in fp32.
+The hidden states' gradient is computed in the forward, from the same chunk logits, for a unit
+gradient of each token's loss (a token's gradient is linear in its loss's gradient): the
+backward's input-gradient part (I, what the previous stage waits for) only scales it, and the
+weight gradient (W, deferrable) recomputes each chunk's logits in ``linear_ce_grad_weight``.
+Cost: four head GEMMs a microbatch (forward 2, W 2) where the loss as captured runs three;
+kept from F: ``h``, the targets, ``lse`` and the ``[N, d]`` unit gradient. Weight gradients are
+accumulated over the chunks in fp32.
 
 passes/chunked_loss.py puts these ops in place of a captured head + ``cross_entropy``.
 """
@@ -72,80 +73,111 @@ def _picked(z: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[t
     return valid, torch.where(valid, target, torch.zeros_like(target))
 
 
+def _grad_logits(p, z, target_c, ignore_index, trail, scale=None) -> torch.Tensor:
+    """d loss_tok / d (head output) of one chunk from its probabilities ``p`` (fp32, overwritten),
+    times ``scale`` per token (None: 1), in the head's dtype."""
+    valid, col = _picked(z, target_c, ignore_index)
+    p.scatter_add_(1, col[:, None], -valid.to(p.dtype)[:, None])
+    p.mul_((valid.to(p.dtype) if scale is None else torch.where(valid, scale.float(), 0.0))[:, None])
+    return _epilogue_backward(p.to(z.dtype), trail)
+
+
+def _casts_only(ops: str) -> bool:
+    """The epilogue is casts alone (``.float()``): the loss's gradient reaches the head output
+    unchanged, and both backward GEMMs can take the one-hot part of ``softmax - onehot`` as a row
+    gather instead of a pass over the ``[chunk, vocab]`` probabilities."""
+    return all(op.startswith("to:") for op in ops.split(",")) if ops else True
+
+
 def _forward(h, weight, bias, target, ignore_index, chunk, ops, values):
     n = h.shape[0]
     loss = h.new_empty(n, dtype=torch.float32)
     lse = h.new_empty(n, dtype=torch.float32)
+    grad_h = torch.empty_like(h)
+    fast = _casts_only(ops)
     for a, b in _chunks(n, chunk):
-        z, _ = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
+        z, trail = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
         zf = z.float()
-        lse_c = torch.logsumexp(zf, dim=-1)
         valid, col = _picked(z, target[a:b], ignore_index)
+        if fast:
+            m = zf.amax(dim=-1)
+            p = zf - m[:, None]
+            p.exp_()  # one fp32 [chunk, vocab] buffer: exp(z - max), unnormalized
+            total = p.sum(dim=-1)
+            lse_c = m + total.log()
+            z0 = trail[0][2] if trail else z  # the head's output, in its dtype
+            # ((p / total - onehot) * valid) @ W, the one-hot part as rows of W
+            gh = p.to(z0.dtype) @ weight
+            gh.mul_((valid / total)[:, None].to(gh.dtype))
+            gh.sub_(weight[col] * valid[:, None].to(weight.dtype))
+            del z0
+        else:
+            lse_c = torch.logsumexp(zf, dim=-1)
+            p = zf - lse_c[:, None]
+            p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities and their gradient
+            gh = _grad_logits(p, z, target[a:b], ignore_index, trail) @ weight
         loss[a:b] = torch.where(valid, lse_c - zf.gather(1, col[:, None]).squeeze(1), 0.0)
         lse[a:b] = lse_c
-    return loss, lse
+        grad_h[a:b] = gh
+        del z, zf, trail, p, gh  # before the next chunk's are made
+    return loss, lse, grad_h
 
 
-def _chunk_grad(grad_tok, h_c, weight, bias, target_c, lse_c, ignore_index, ops, values) -> torch.Tensor:
-    """d loss / d (head output) of one chunk, in the head's dtype."""
-    z, trail = _epilogue(F.linear(h_c, weight, bias), ops, values)
-    p = z.float() - lse_c[:, None]
-    p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities and their gradient
-    valid, col = _picked(z, target_c, ignore_index)
-    p.scatter_add_(1, col[:, None], -valid.to(p.dtype)[:, None])
-    p.mul_(torch.where(valid, grad_tok.float(), 0.0)[:, None])
-    return _epilogue_backward(p.to(z.dtype), trail)
-
-
-def _backward(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, want_input, want_weight):
+def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values) -> list[torch.Tensor]:
     n = h.shape[0]
-    gh = torch.empty_like(h) if want_input else None
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
-    gb = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_weight and bias is not None else None
+    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    gb = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    fast = _casts_only(ops)
     for a, b in _chunks(n, chunk):
-        g = _chunk_grad(grad_tok[a:b], h[a:b], weight, bias, target[a:b], lse[a:b], ignore_index, ops, values)
-        if want_input:
-            gh[a:b] = g @ weight
-        if want_weight:
-            if gw.dtype == g.dtype:
-                gw.addmm_(g.t(), h[a:b])
-            else:
-                gw.add_(g.t() @ h[a:b])
+        z, trail = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
+        p = z.float() - lse[a:b, None]
+        p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities (and their gradient)
+        if fast:
+            # sum_i scale_i (p_i - onehot_i)^T h_i: the token scales on the [chunk, d] rows of h,
+            # the one-hot part added into the target rows
+            valid, col = _picked(z, target[a:b], ignore_index)
+            scale = torch.where(valid, grad_tok[a:b].float(), 0.0)
+            z0 = trail[0][2] if trail else z
+            rows = h[a:b] * scale[:, None].to(h.dtype)
+            g = p.to(z0.dtype)
+            del z, z0, trail
+            gw.add_(g.t() @ rows) if gw.dtype != g.dtype else gw.addmm_(g.t(), rows)
+            gw.index_add_(0, col, -rows.float())
             if gb is not None:
-                gb.add_(g.sum(0, dtype=torch.float32))
-    weight_grads = [] if gw is None else [gw.to(weight.dtype)] + ([] if gb is None else [gb.to(bias.dtype)])
-    return gh, weight_grads
+                gb.add_(p.t() @ scale)
+                gb.index_add_(0, col, -scale)
+            del p, g
+            continue
+        g = _grad_logits(p, z, target[a:b], ignore_index, trail, grad_tok[a:b])
+        del z, trail, p
+        if gw.dtype == g.dtype:
+            gw.addmm_(g.t(), h[a:b])
+        else:
+            gw.add_(g.t() @ h[a:b])
+        if gb is not None:
+            gb.add_(g.sum(0, dtype=torch.float32))
+        del g
+    return [gw.to(weight.dtype)] + ([] if gb is None else [gb.to(bias.dtype)])
 
 
 @torch.library.custom_op("autopar::linear_ce_forward", mutates_args=())
 def linear_ce_forward(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
                       ignore_index: int, chunk: int, ops: str, values: list[float]
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _forward(h, weight, bias, target, ignore_index, chunk, ops, values)
 
 
 @linear_ce_forward.register_fake
 def _(h, weight, bias, target, ignore_index, chunk, ops, values):
-    return h.new_empty(h.shape[0], dtype=torch.float32), h.new_empty(h.shape[0], dtype=torch.float32)
-
-
-@torch.library.custom_op("autopar::linear_ce_grad_input", mutates_args=())
-def linear_ce_grad_input(grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                         target: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk: int, ops: str,
-                         values: list[float]) -> torch.Tensor:
-    return _backward(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, True, False)[0]
-
-
-@linear_ce_grad_input.register_fake
-def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
-    return torch.empty_like(h)
+    n = h.shape[0]
+    return h.new_empty(n, dtype=torch.float32), h.new_empty(n, dtype=torch.float32), torch.empty_like(h)
 
 
 @torch.library.custom_op("autopar::linear_ce_grad_weight", mutates_args=())
 def linear_ce_grad_weight(grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           target: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk: int, ops: str,
                           values: list[float]) -> list[torch.Tensor]:
-    return _backward(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, False, True)[1]
+    return _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values)
 
 
 @linear_ce_grad_weight.register_fake
@@ -153,34 +185,22 @@ def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
     return [torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
 
 
-@torch.library.custom_op("autopar::linear_ce_grad", mutates_args=())
-def linear_ce_grad(grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   target: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk: int, ops: str,
-                   values: list[float]) -> list[torch.Tensor]:
-    gh, weight_grads = _backward(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, True, True)
-    return [gh, *weight_grads]
-
-
-@linear_ce_grad.register_fake
-def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
-    return [torch.empty_like(h), torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
-
-
 def _setup(ctx, inputs, output):
     h, weight, bias, target, ignore_index, chunk, ops, values = inputs
-    ctx.save_for_backward(h, weight, bias, target, output[1])
+    _loss, lse, grad_h = output
+    ctx.save_for_backward(h, weight, bias, target, lse, grad_h)
     ctx.args = (ignore_index, chunk, ops, list(values))
-    ctx.mark_non_differentiable(output[1])
+    ctx.mark_non_differentiable(lse, grad_h)
 
 
-def _autograd_backward(ctx, grad_tok, _grad_lse):
-    h, weight, bias, target, lse = ctx.saved_tensors
+def _autograd_backward(ctx, grad_tok, _grad_lse, _grad_grad_h):
+    h, weight, bias, target, lse, grad_h = ctx.saved_tensors
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    ops = torch.ops.autopar
-    gh = ops.linear_ce_grad_input(grad_tok, h, weight, bias, target, lse, *ctx.args) if need_h else None
+    # a token's hidden-state gradient is linear in its loss's gradient: the forward's, scaled
+    gh = (grad_h * grad_tok[:, None].to(grad_h.dtype)) if need_h else None
     gw = gb = None
     if need_w or need_b:
-        weight_grads = ops.linear_ce_grad_weight(grad_tok, h, weight, bias, target, lse, *ctx.args)
+        weight_grads = torch.ops.autopar.linear_ce_grad_weight(grad_tok, h, weight, bias, target, lse, *ctx.args)
         gw = weight_grads[0] if need_w else None
         gb = weight_grads[1] if need_b and bias is not None else None
     return gh, gw, gb, None, None, None, None, None
@@ -189,20 +209,20 @@ def _autograd_backward(ctx, grad_tok, _grad_lse):
 linear_ce_forward.register_autograd(_autograd_backward, setup_context=_setup)
 
 FORWARD_OP = torch.ops.autopar.linear_ce_forward.default
-GRAD_INPUT_OP = torch.ops.autopar.linear_ce_grad_input.default
 GRAD_WEIGHT_OP = torch.ops.autopar.linear_ce_grad_weight.default
-GRAD_OP = torch.ops.autopar.linear_ce_grad.default
 
 
 def flops(target, shapes) -> int | None:
     """FLOPs of one call of these ops from its arguments' shapes (None for another op): the head
-    GEMM is 2·N·d·V; the forward runs it once, each split backward op twice (recomputed logits,
-    then its own gradient GEMM), the fused one three times."""
-    times = {FORWARD_OP: 1, GRAD_INPUT_OP: 2, GRAD_WEIGHT_OP: 2, GRAD_OP: 3}.get(target)
-    if times is None:
+    GEMM is 2·N·d·V; the forward runs it twice (the logits, then the hidden states' gradient),
+    the weight-gradient op twice (the recomputed logits, then its own GEMM)."""
+    if target is FORWARD_OP:
+        h, weight = shapes[0], shapes[1]
+    elif target is GRAD_WEIGHT_OP:
+        h, weight = shapes[1], shapes[2]
+    else:
         return None
-    h, weight = (shapes[0], shapes[1]) if target is FORWARD_OP else (shapes[1], shapes[2])
-    return times * 2 * int(h[0]) * int(h[1]) * int(weight[0])
+    return 2 * 2 * int(h[0]) * int(h[1]) * int(weight[0])
 
 
 # one chunk's logits hold at most this many elements (256 MiB in fp32): small enough to keep
@@ -222,9 +242,10 @@ def default_chunk(vocab: int) -> int:
 def working_bytes(chunk: int, vocab: int, head_itemsize: int, fp32_steps: int) -> int:
     """Bytes the ops hold at once for one chunk of ``chunk`` tokens (their peak, inside the
     kernels, beyond their inputs and outputs): the head's output, each fp32 element-wise step of
-    the epilogue, and two fp32 ``[chunk, vocab]`` buffers (the probabilities and, in the forward,
-    the exponential ``logsumexp`` forms; in the backward, the gradient cast back)."""
-    return chunk * vocab * (head_itemsize + 4 * fp32_steps + 8)
+    the epilogue, one fp32 ``[chunk, vocab]`` buffer (the exponential ``logsumexp`` forms, then the
+    probabilities and their gradient), and that gradient cast back to the head's dtype when it
+    is narrower."""
+    return chunk * vocab * (head_itemsize + 4 * fp32_steps + 4 + (head_itemsize if head_itemsize < 4 else 0))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
@@ -237,8 +258,8 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
         raise ValueError(f"autopar.linear_cross_entropy: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
     ops = ",".join(op for op, _v in epilogue)
     values = [float(v) for _op, v in epilogue]
-    loss_tok, _lse = torch.ops.autopar.linear_ce_forward(h, weight, bias, target, ignore_index, int(chunk_tokens),
-                                                         ops, values)
+    loss_tok, _lse, _grad_h = torch.ops.autopar.linear_ce_forward(h, weight, bias, target, ignore_index,
+                                                                  int(chunk_tokens), ops, values)
     if reduction == "none":
         return loss_tok
     total = loss_tok.sum()

@@ -28,7 +28,7 @@ layer of every microbatch in flight, the measured ratio is the single worst disp
 covers it with room). Measured: as for every row, plus the dispatch op's own allocations (the
 received rows, the experts' activations under the op's private autograd graph, the rows'
 gradients): a dispatch mode is popped while the op it intercepted runs, so the probe's mode is
-re-entered inside the op's kernels (``_probe_inside_dispatch``), else they would be invisible.
+re-entered inside the op's kernels (``probe_inside_kernels``), else they would be invisible.
 
 Predicted: the planner in this process. ``profile_model`` captures ONE microbatch (the smallest
 microbatch of the plans; the profile scales linearly to the others), ``Evaluator`` with the
@@ -324,20 +324,27 @@ def _categorized_bytes(state: dict) -> dict:
     return out
 
 
-_DISPATCH_KERNELS = ("_forward", "_send", "_experts", "_combine", "_grad_send", "_grad_input", "_grad_combine",
-                     "_grad_weight")  # passes/moe_dispatch.py: the Python bodies of its custom ops' kernels
+# the Python bodies of autopar's custom ops' kernels, by module: what they allocate inside is
+# invisible to a dispatch mode (popped while the op it intercepted runs) unless re-entered there
+KERNEL_BODIES = {
+    "autopar.passes.moe_dispatch": ("_send", "_experts", "_combine", "_grad_send", "_grad_input",
+                                    "_grad_combine", "_grad_weight"),
+    "autopar.linear_ce": ("_forward", "_grad_weight"),
+}
 
 
-class _probe_inside_dispatch:
-    """While active, every kernel body of the dropless MoE dispatch ops runs under ``probe``'s
-    dispatch mode, so the storages the ops create inside (their state between F, I and W) are
-    counted and freed like any other (module docstring)."""
+class probe_inside_kernels:
+    """While active, every kernel body of autopar's custom ops (``KERNEL_BODIES``: the dropless
+    MoE dispatch, the chunked cross-entropy) runs under ``probe``'s dispatch mode, so the
+    storages the ops create inside (the dispatch's state between F, I and W, the loss's chunk
+    buffers) are counted and freed like any other (module docstring)."""
 
     def __init__(self, probe):
-        self.probe, self.saved = probe, {}
+        self.probe, self.saved = probe, []
 
     def __enter__(self):
-        from autopar.passes import moe_dispatch
+        import importlib
+
         from autopar.runtime.memory_probe import _Mode
 
         def wrap(fn):
@@ -346,19 +353,20 @@ class _probe_inside_dispatch:
                     return fn(*args, **kwargs)
             return inner
 
-        self.saved = {n: getattr(moe_dispatch, n) for n in _DISPATCH_KERNELS if hasattr(moe_dispatch, n)}
-        if not self.saved:
-            raise RuntimeError(f"memory_model: none of {_DISPATCH_KERNELS} in passes/moe_dispatch.py: update "
-                               "_DISPATCH_KERNELS to its kernel bodies")
-        for n, fn in self.saved.items():
-            setattr(moe_dispatch, n, wrap(fn))
+        for path, names in KERNEL_BODIES.items():
+            module = importlib.import_module(path)
+            missing = [n for n in names if not hasattr(module, n)]
+            if missing:
+                raise RuntimeError(f"memory_model: {path} has no {missing}: update KERNEL_BODIES to its kernel bodies")
+            for n in names:
+                self.saved.append((module, n, getattr(module, n)))
+                setattr(module, n, wrap(getattr(module, n)))
         return self
 
     def __exit__(self, *exc):
-        from autopar.passes import moe_dispatch
-
-        for n, fn in self.saved.items():
-            setattr(moe_dispatch, n, fn)
+        for module, n, fn in reversed(self.saved):
+            setattr(module, n, fn)
+        self.saved = []
 
 
 def _rank_main(rank, world, cfg):
@@ -391,7 +399,7 @@ def _rank_main(rank, world, cfg):
         # the baseline list is built inline: the probe drops it on entry, so no reference here
         # keeps step 1's gradients alive after the step sets them to None
         probe = PeakTensorMemory([t for ts in state_tensors(pm).values() for t in ts])
-        with probe, _probe_inside_dispatch(probe):
+        with probe, probe_inside_kernels(probe):
             pm.step(inputs, target)
         results.append({"peak": probe.peak_bytes, "baseline": probe.baseline_bytes, "base": base,
                         "unused_model_copy": unused, "stages": list(pm.built.executor.my_stages),

@@ -16,7 +16,7 @@ This module runs the same graph, value for value, with less of that:
     transposes weight gradients twice; decomposed matmuls reshape in chains);
   - a norm/conv backward that ``split_backward`` cut into an input-grad call and a weight-grad
     call, when both land in the same program (the fused B), becomes one call again, as eager
-    runs it; so do the chunked cross-entropy's two backward calls (autopar/linear_ce.py);
+    runs it;
   a result is never replaced by one of the program's arguments (its callers keep and
   accumulate into results);
 * every ``torch.ops.<ns>.<op>.<overload>`` is bound once as a global of the generated code, to
@@ -40,8 +40,6 @@ from typing import Callable
 
 import torch
 import torch.fx as fx
-
-from autopar import linear_ce
 
 from .split_backward import _MASKED_BACKWARD as _MASKED  # op -> index of its output_mask argument
 
@@ -154,7 +152,6 @@ def simplify(graph: fx.Graph) -> None:
                 node.args = (src.args[0], *node.args[1:])
                 _erase_if_dead(src)
     _merge_masked_backward(graph)
-    _merge_linear_ce_backward(graph)
     graph.lint()
 
 
@@ -203,29 +200,6 @@ def _merge_masked_backward(graph: fx.Graph) -> None:
                 user.replace_input_with(node, other)
         if not node.users:
             graph.erase_node(node)
-
-
-def _merge_linear_ce_backward(graph: fx.Graph) -> None:
-    """The chunked cross-entropy's input-grad and weight-grad calls on the same values (both in
-    a fused B) become one call, which recomputes each chunk's logits once for both."""
-    pairs: dict[tuple, dict] = {}
-    for node in graph.nodes:
-        if node.op == "call_function" and node.target in (linear_ce.GRAD_INPUT_OP, linear_ce.GRAD_WEIGHT_OP):
-            key = tuple(tuple(a) if isinstance(a, list) else a for a in node.args)
-            pairs.setdefault(key, {})[node.target] = node
-    for pair in pairs.values():
-        gi, gw = pair.get(linear_ce.GRAD_INPUT_OP), pair.get(linear_ce.GRAD_WEIGHT_OP)
-        if gi is None or gw is None:
-            continue
-        first = gi if list(graph.nodes).index(gi) < list(graph.nodes).index(gw) else gw
-        with graph.inserting_before(first):
-            fused = graph.call_function(linear_ce.GRAD_OP, gi.args)
-            grad_h = graph.call_function(operator.getitem, (fused, 0))
-        gi.replace_all_uses_with(grad_h)
-        for user in list(gw.users):  # getitem(gw, k) -> getitem(fused, k + 1)
-            user.args = (fused, user.args[1] + 1)
-        graph.erase_node(gi)
-        graph.erase_node(gw)
 
 
 def accumulate_into_arguments(graph: fx.Graph, indices: tuple[int, ...], into_dtypes: tuple | None = None) -> None:

@@ -197,10 +197,12 @@ class UnitKind:
     loss_chunk_row_bytes: float = 0.0
     loss_chunk: int = 0
     loss_tokens: int = 0
+    loss_fixed_bytes: float = 0.0  # its fp32 weight-gradient accumulator (the op returns a fresh gradient)
 
     def work(self, scale: float) -> float:
         """The transient working set at ``scale`` times the captured microbatch."""
-        return self.work_bytes * scale + min(self.loss_chunk, self.loss_tokens * scale) * self.loss_chunk_row_bytes
+        return (self.work_bytes * scale + min(self.loss_chunk, self.loss_tokens * scale) * self.loss_chunk_row_bytes
+                + self.loss_fixed_bytes)
 
     def times(self, device, scale: float) -> tuple[float, float, float]:
         """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch.
@@ -907,4 +909,7 @@ def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is
     chunked = chunk_stage_loss(stage, chunk)
     sp = split_backward(chunked, requires, trainable)
     kind = _unit_kind(plain.kind, sp, chunked, is_expert, measure=timer.add(sp, chunked, chunk) if timer else None)
-    return replace(kind, loss_chunk_row_bytes=float(row), loss_chunk=chunk, loss_tokens=m.tokens), chunk
+    fixed = 4 * sum(v.numel() for v in (m.head.args[1].meta["val"],) + (
+        (m.head.args[2].meta["val"],) if len(m.head.args) > 2 and m.head.args[2] is not None else ()))
+    return replace(kind, loss_chunk_row_bytes=float(row), loss_chunk=chunk, loss_tokens=m.tokens,
+                   loss_fixed_bytes=float(fixed)), chunk
