@@ -389,3 +389,28 @@ def test_planner_speed_benchmark_runs(capsys):
         assert float(total) + 0.02 >= float(build) + float(capture) + float(traces) + float(search), out
         assert float(ilp) <= float(search) + 0.01, out
     assert "the same plan both times: yes" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("benchmarks")
+def test_chunked_loss_benchmark_runs():
+    """Issue 35 M2 at a tiny size (a 4096-word vocabulary, 128-token microbatches, 32-token
+    chunks): the last stage's step memory above its states drops with the loss chunked, the
+    printed ratio is the printed numbers', the planner predicts the last stage's peak within
+    the memory model's bounds both ways, and the losses agree."""
+    out = _run("chunked_loss.py", ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", "64", "--batch", "4",
+                                   "--vocab", "4096", "--chunk", "32", "--steps", "1", "--no-target"])
+    rows = {name: re.search(rf"^\s+{name}\s+1\s+({NUM})\s+({NUM})\s+({NUM})\s+({NUM})%", out, re.M)
+            for name in ("as captured", "chunked")}
+    assert all(rows.values()), out
+    for name, m in rows.items():
+        peak, _above, pred, err = m.groups()
+        assert _agrees(err, _error_bounds(pred, peak)), (name, out)
+        assert -5.0 <= float(err) <= 15.0, (name, out)
+    captured, chunked = (float(rows[n].group(2)) for n in ("as captured", "chunked"))
+    assert chunked < 0.5 * captured, out
+    ratio = re.search(rf"step peak above the states ({NUM})", out).group(1)
+    (a_lo, a_hi), (b_lo, b_hi) = _bounds(rows["chunked"].group(2)), _bounds(rows["as captured"].group(2))
+    assert _agrees(ratio, (a_lo / b_hi, a_hi / b_lo)), out
+    drift = float(re.search(r"losses agree to (\S+)$", out, re.M).group(1))
+    assert drift <= 1e-5, out
