@@ -424,7 +424,9 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
         from autopar.runtime.local import LocalPipeline
 
         transfers = CommStream(device) if local_transfers else None
-        return LocalPipeline(programs, schedule, state, dp.grads, transfers=transfers), programs
+        executor = LocalPipeline(programs, schedule, state, dp.grads, transfers=transfers)
+        attach_offload(executor=executor, plan=plan, device=device)
+        return executor, programs
     from autopar.runtime.distributed import DistributedPipeline
 
     rewritten = dp.rewrite_programs({s: programs[s] for s in mine})
@@ -432,7 +434,21 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
     executor = DistributedPipeline(programs, schedule, schedules.lower(schedule), state, mesh, timeout, device,
                                    data_parallel=dp, pipeline=pipeline, generated=generated, comm=comm)
     log.info("autopar: rank %d runs stages %s%s", mesh.rank, mine, f", ZeRO-{dp.zero}" if dp.zero else "")
+    attach_offload(executor=executor, plan=plan, device=device)
     return executor, programs
+
+
+def attach_offload(*, executor, plan: Plan, device) -> None:
+    """The plan's activation offload (runtime/offload.py) on the executor's stages, if any."""
+    fractions = {s: plan.offload_of(s) for s in executor.work.programs}
+    if not any(fractions.values()):
+        return
+    from autopar.runtime.offload import ActivationOffload
+
+    executor.work.offload = ActivationOffload(executor.work.programs, fractions, device)
+    chosen = executor.work.offload.keys
+    log.info("autopar: offloading %s saved value(s) of stages %s to host memory", sum(map(len, chosen.values())),
+             sorted(s for s, ks in chosen.items() if ks))
 
 
 def make_optimizer(*, factory, owners: dict):

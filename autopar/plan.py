@@ -25,6 +25,9 @@ class Plan:
     ``loss_chunk_tokens``: the last stage's LM head and cross-entropy run this many tokens at a
     time, never holding the ``[tokens, vocab]`` logits (passes/chunked_loss.py); 0 (the
     default): off, the loss runs as captured. A loss of another form always runs as captured.
+    ``offload``: the share of what each stage's F keeps for I and W that is parked in host
+    memory between them (runtime/offload.py), in [0, 1]: one number for every stage, or a tuple
+    with one per stage; 0 (the default): nothing leaves the device.
     """
 
     pp: int = 1
@@ -40,6 +43,7 @@ class Plan:
     moe_imbalance: float | None = None
     moe_receive_limit: float | None = None
     loss_chunk_tokens: int = 0
+    offload: float | tuple[float, ...] = 0.0
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep"):
@@ -64,6 +68,12 @@ class Plan:
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             raise ValueError(f"autopar.Plan: loss_chunk_tokens={c!r} must be an int >= 0 (tokens per chunk of the "
                              "chunked cross-entropy; 0 turns it off)")
+        off = tuple(self.offload) if isinstance(self.offload, (tuple, list)) else (self.offload,)
+        if not off or any(isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f <= 1 for f in off):
+            raise ValueError(f"autopar.Plan: offload={self.offload!r} must be a number in [0, 1] (the share of each "
+                             "stage's saved activations parked on the host) or a tuple of one per stage")
+        object.__setattr__(self, "offload", tuple(float(f) for f in off) if isinstance(self.offload, (tuple, list))
+                           else float(self.offload))
         if (self.dp * self.cp) % self.ep:
             raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
                              f"{self.dp * self.cp} "
@@ -77,6 +87,14 @@ class Plan:
             object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
         if self.stages_per_rank is None:
             object.__setattr__(self, "stages_per_rank", default_stages_per_rank(self.schedule))
+        if isinstance(self.offload, tuple) and len(self.offload) != self.num_stages:
+            raise ValueError(f"autopar.Plan: offload has {len(self.offload)} fractions but the plan has "
+                             f"{self.num_stages} stages (pp {self.pp} x {self.stages_per_rank} per rank); give one "
+                             "per stage, or one number for all")
+
+    def offload_of(self, stage: int) -> float:
+        """The offload fraction of one stage."""
+        return self.offload[stage] if isinstance(self.offload, tuple) else self.offload
 
     @property
     def num_stages(self) -> int:
@@ -106,6 +124,8 @@ class Plan:
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]
                                         if self.moe_imbalance is not None else []) + (
             [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else []) + (
-            [("loss chunk (tokens)", self.loss_chunk_tokens)] if self.loss_chunk_tokens else [])
+            [("loss chunk (tokens)", self.loss_chunk_tokens)] if self.loss_chunk_tokens else []) + (
+            [("offload", self.offload)] if any(self.offload if isinstance(self.offload, tuple) else (self.offload,))
+            else [])
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

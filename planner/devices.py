@@ -83,6 +83,10 @@ class DeviceProfile:
     gpus_per_node: int
     source: str              # where the figures come from
     measured: bool = False
+    # bytes/s each way between the device and pinned host memory (activation offload): a PCIe
+    # Gen5 x16 link sustains about 25 GB/s per direction beside other traffic; for the cpu
+    # profile the "host" is the same memory and a copy costs its streaming bandwidth instead
+    host_bandwidth: float = 25e9
 
     def __post_init__(self):
         missing = [k for k in _DTYPES if k not in self.peak_flops]

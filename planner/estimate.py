@@ -219,6 +219,35 @@ def fixed_schedule(name: str, pp: int, m: int, v: int):
     return get(name).make(pp, m, v)
 
 
+def offload_peaks(schedule, after_f, after_i, parked_f, parked_w) -> tuple[float, ...]:
+    """Per-rank peak of saved activations under an activation offload (runtime/offload.py),
+    walking each rank's actions: of a microbatch's ``after_f[s]`` bytes, ``parked_f[s]`` are on
+    the host from the end of its F until its I or B brings them back; I brings back all but
+    ``parked_w[s]`` (what only W reads), which W brings back. During an F the microbatch is
+    whole on the device, and so is what each backward program reads while it runs. With
+    nothing parked this is ``schedules.simulate.peak_memory`` with ``after_i_bytes``."""
+    peaks = []
+    for acts in schedule.actions:
+        mem = peak = 0.0
+        for a in acts:
+            s = a.stage
+            if a.type == _F:
+                peak = max(peak, mem + after_f[s])
+                mem += after_f[s] - parked_f[s]
+            elif a.type == _I:
+                peak = max(peak, mem + parked_f[s] - parked_w[s])
+                mem += (after_i[s] - parked_w[s]) - (after_f[s] - parked_f[s])
+            elif a.type == _W:
+                peak = max(peak, mem + parked_w[s])
+                mem -= after_i[s] - parked_w[s]
+            else:  # B
+                peak = max(peak, mem + parked_f[s])
+                mem -= after_f[s] - parked_f[s]
+            peak = max(peak, mem)
+        peaks.append(peak)
+    return tuple(peaks)
+
+
 @dataclass(frozen=True)
 class Layout:
     """The discrete choices of a plan (everything but boundaries and recompute)."""
@@ -232,6 +261,7 @@ class Layout:
     m: int            # microbatches per step (per dp replica)
     b: int            # samples per microbatch
     zero: int
+    offload: float = 0.0  # share of every stage's saved activations parked on the host between F and I/W
 
     @property
     def num_stages(self) -> int:
@@ -243,7 +273,7 @@ class Layout:
 
     def label(self) -> str:
         return (f"pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} {self.schedule} v={self.v} "
-                f"m={self.m} b={self.b} zero={self.zero}")
+                f"m={self.m} b={self.b} zero={self.zero}" + (f" offload={self.offload:g}" if self.offload else ""))
 
 
 @dataclass(frozen=True)
@@ -319,7 +349,7 @@ class Evaluator:
 
     def __init__(self, profile: ModelProfile, device, memory_limit: float, global_batch: int,
                  bucket_bytes: float = 25 * 2 ** 20, moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
-                 loss_chunking: bool = True):
+                 loss_chunking: bool = True, offloading: bool = True):
         if not moe_imbalance >= 1.0:
             raise ValueError(f"moe_imbalance is the max/mean ratio of the rows an expert-parallel rank receives: "
                              f"it must be >= 1, got {moe_imbalance}")
@@ -338,6 +368,7 @@ class Evaluator:
         self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
         self._chunked: Evaluator | None = None
         self.loss_chunking = loss_chunking
+        self.offloading = offloading
 
     @property
     def chunked(self) -> "Evaluator | None":
@@ -348,7 +379,7 @@ class Evaluator:
             return None
         if self._chunked is None:
             self._chunked = Evaluator(self.profile.chunked, self.device, self.memory_limit, self.global_batch,
-                                      self.bucket_bytes, self.moe_imbalance)
+                                      self.bucket_bytes, self.moe_imbalance, offloading=self.offloading)
         return self._chunked
 
     def expert_replicas(self, lay: Layout) -> int:
@@ -540,6 +571,7 @@ class Evaluator:
         S = len(part.bounds) - 1
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
+        parked_bytes = [lay.offload * a for a in self.stage_amounts(lay, part)[0]] if lay.offload else []
         for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
             tf = ti = tw = cf = ci = 0.0
             for k in kinds:
@@ -558,6 +590,11 @@ class Evaluator:
             if msg_cpu:  # a message this stage's F / I sends or receives across ranks
                 tf += msg_cpu * ((s > 0 and s2r[s - 1] != s2r[s]) + (s + 1 < S and s2r[s + 1] != s2r[s]))
                 ti += msg_cpu * ((s > 0 and s2r[s - 1] != s2r[s]) + (s + 1 < S and s2r[s + 1] != s2r[s]))
+            if lay.offload:  # the copy out after F, the copy back before I: what compute does not hide
+                t_copy = self.offload_seconds(lay, parked_bytes[s])
+                sync = self.device.name == "cpu"
+                tf += t_copy if sync else max(0.0, t_copy - tf)
+                ti += t_copy if sync else max(0.0, t_copy - ti)
             f.append(max(tf, 1e-12))
             i.append(max(ti, 1e-12))
             w.append(max(tw, 1e-12))
@@ -637,6 +674,15 @@ class Evaluator:
         schedule's in-flight frontier (:func:`inflight_frontier`), which gives the same peaks as
         walking the built schedule without building it at every m."""
         after_f, after_i = self.stage_amounts(lay, part, moe)
+        if lay.offload:
+            sched = sched if sched is not None else fixed_schedule(lay.schedule, lay.pp, lay.m, lay.v)
+            sc = self.scale(lay)
+            # through I, what only W reads stays on the host (at stage 0, whose I is empty, all of it)
+            w_only = [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
+                      for s, kinds in enumerate(self.stage_kinds(part))]
+            parked_f = [lay.offload * a for a in after_f]
+            parked_w = [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
+            return offload_peaks(sched, after_f, after_i, parked_f, parked_w)
         if lay.schedule != "zb-auto" or sched is None:
             return frontier_peaks(inflight_frontier(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i)
         key = (id(sched), tuple(after_f), tuple(after_i))
@@ -646,6 +692,14 @@ class Evaluator:
         peaks = peak_memory(sched, after_f, after_i_bytes=after_i)
         self._act_peaks[key] = (sched, peaks)
         return peaks
+
+    def offload_seconds(self, lay: Layout, nbytes: float) -> float:
+        """Seconds one copy of ``nbytes`` between device and host takes: over the host link on a
+        GPU (a side stream), a read and a write at the streaming bandwidth on the cpu profile
+        (the same memory, synchronous)."""
+        if self.device.name == "cpu":
+            return 2 * nbytes / self.stream_bandwidth(lay)
+        return nbytes / self.device.host_bandwidth
 
     def message_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
         b = part.bounds

@@ -198,6 +198,8 @@ class UnitKind:
     loss_chunk: int = 0
     loss_tokens: int = 0
     loss_fixed_bytes: float = 0.0  # its fp32 weight-gradient accumulator (the op returns a fresh gradient)
+    # of ``saved_bytes``, what only W reads (an activation offload keeps it on the host through I)
+    saved_w_only: float = 0.0
 
     def work(self, scale: float) -> float:
         """The transient working set at ``scale`` times the captured microbatch."""
@@ -678,6 +680,14 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     w_state = {n.name for n, k in zip(w_phs, sp.w.args) if keys.is_state(k)}
     after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not keys.is_state(k)
                               and not keys.is_kind(k, keys.GRAD)], w_state)
+    f_phs = [n for n in sp.f.gm.graph.nodes if n.op == "placeholder"]
+    from_f = {**dict(zip(sp.f.args, f_phs)), **dict(zip(sp.f.results, f_out.args[0]))}
+    # what only W reads of what F kept, by storage: a storage I also reads (through any value
+    # viewing it) comes back for I (runtime/offload.py parks and brings back whole storages)
+    i_bases = {_base(from_f[k]).name for k in sp.i.args if k in from_f}
+    w_only = _storage_bytes([from_f[k] for k in sp.w.args if k in from_f and k not in sp.i.args
+                             and k not in sp.i.results and (keys.is_kind(k, keys.SAVED) or keys.is_kind(k, keys.INPUT))
+                             and _base(from_f[k]).name not in i_bases], f_state)
     phs = [n for n in stage.gm.graph.nodes if n.op == "placeholder"]
     vals = {n.name: n.meta.get("val") for n in phs}
     n_state = len(stage.params)
@@ -714,7 +724,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     small_params=int(small),
                     param_bytes=int(pbytes),
                     expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
-                    work_bytes=max(b_peak, f_peak - f_end), measure=measure)
+                    work_bytes=max(b_peak, f_peak - f_end), measure=measure, saved_w_only=w_only)
 
 
 def _units_of(captured):

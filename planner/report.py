@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import sympy
 
@@ -55,7 +56,7 @@ def _layout_dict(c: Candidate) -> dict:
     lay = c.layout
     return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "schedule": lay.schedule,
             "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero,
-            "loss_chunk_tokens": c.loss_chunk}
+            "loss_chunk_tokens": c.loss_chunk, "offload": c.offload}
 
 
 def candidate_dict(c: Candidate) -> dict:
@@ -182,7 +183,7 @@ def _distinct_rejections(res: PlanResult, top: int) -> list[Candidate]:
 def pin_report(res: PlanResult, c: Candidate) -> list[str]:
     """For a pinned layout that does not fit: its heaviest rank's memory by component, how far
     over the limit, and what the planner's memory features do to it (evaluated: no stage vs every
-    stage recomputing at the same boundaries; activation offload is not built yet)."""
+    stage recomputing at the same boundaries, higher ZeRO levels, activation offload)."""
     from .estimate import Partition
     from .search import _unit_totals, balanced_partition
 
@@ -212,7 +213,11 @@ def pin_report(res: PlanResult, c: Candidate) -> list[str]:
             out.append(f"  ZeRO-{z} (pin zero={z}): {max(other.peak_memory) / GiB:.2f} GiB "
                        + ("(fits)" if other.feasible else f"({-(ev.memory_limit - max(other.peak_memory)) / GiB:.2f} "
                                                           "GiB over)"))
-    out.append("  activation offload: not built yet (it would move saved activations to host memory)")
+    for f in (0.5, 1.0):
+        other = ev.evaluate(replace(lay, offload=f), Partition(bounds, (True,) * S))
+        out.append(f"  activation offload {f:g} (Plan(offload={f:g})): {max(other.peak_memory) / GiB:.2f} GiB "
+                   + ("(fits)" if other.feasible else f"({(max(other.peak_memory) - ev.memory_limit) / GiB:.2f} GiB "
+                                                      "over)"))
     return out
 
 
@@ -231,6 +236,24 @@ def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
     return [f"  cross-entropy as captured: the last unit's working set {plain / GiB:.2f} GiB with the whole logits "
             f"({small / GiB:.2f} GiB chunked at {chunked.loss_chunk_tokens} tokens; not used: this plan fits "
             "faster without it)"]
+
+
+def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
+    """The activation offload of the plan (when it has one): the share, the bytes one microbatch
+    parks per stage, and the copy time compute does not hide."""
+    if not c.offload:
+        return []
+    from .search import evaluator_of
+
+    ev, est = evaluator_of(res.evaluator, c), c.estimate
+    lay = c.priced_layout
+    parked = [c.offload * a for a in ev.stage_amounts(lay, est.partition)[0]]
+    plain = ev.stage_costs(replace(lay, offload=0.0), est.partition)
+    exposed = sum(lay.m * ((f1 - f0) + (i1 - i0)) for f0, f1, i0, i1 in
+                  zip(plain.f, est.stage_costs.f, plain.i, est.stage_costs.i))
+    return [f"  activation offload: {c.offload:g} of every stage's saved activations parked on the host between F "
+            f"and I/W ({max(parked) / GiB:.2f} GiB a microbatch on the heaviest stage; copies not hidden by compute: "
+            f"{exposed * 1e3:.3g} ms of stage time a step)"]
 
 
 def _why_lost(c: Candidate) -> str:
@@ -274,6 +297,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           f"  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
           *loss_lines(res, c),
+          *offload_lines(res, c),
           f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "
           f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
           f"bubble {est.bubble * 100:.1f}%", "", "stages"]

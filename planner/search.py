@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Callable
 
@@ -70,6 +70,7 @@ class Request:
     pin: tuple = ()
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # max/mean rows an EP rank receives (dropless MoE)
     loss_chunking: bool = True          # price the chunked cross-entropy where memory binds (--no-loss-chunk)
+    offloading: bool = True             # price activation offload where memory binds (--no-offload)
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0:
@@ -139,6 +140,12 @@ class Candidate:
     ilp: ILPResult | None = None
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
     loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
+    offload: float = 0.0                # share of the saved activations parked on the host (runtime/offload.py)
+
+    @property
+    def priced_layout(self) -> Layout:
+        """The layout as priced: ``layout`` with the offload fraction."""
+        return replace(self.layout, offload=self.offload) if self.offload else self.layout
 
     @property
     def time(self) -> float:
@@ -310,7 +317,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance,
-                   loss_chunking=req.loss_chunking)
+                   loss_chunking=req.loss_chunking, offloading=req.offloading)
     cands: list[Candidate] = []
     rejected: list[Candidate] = []
     rejected_seen = set()
@@ -620,26 +627,49 @@ class _Screen:
         return c
 
 
+# activation offload fractions the search prices where memory binds (runtime/offload.py)
+OFFLOAD_FRACTIONS = (0.5, 1.0)
+
+
 def _simulate(ev: Evaluator, c: Candidate) -> bool:
     """``_simulate_one``, and where memory binds (over the limit, or fitting only by
-    recomputing) and the model has a chunkable loss, the same with the loss chunked
-    (``Evaluator.chunked``): the better of the two is kept (fitting first, then the faster or
-    the smaller peak), its ``loss_chunk`` set. Chunking only adds work (a recomputed head GEMM),
-    so where memory does not bind the loss stays as captured."""
+    recomputing), the same layout with the memory features the model allows: the loss chunked
+    (``Evaluator.chunked``) and saved activations offloaded (``OFFLOAD_FRACTIONS``, unless the
+    evaluator's ``offloading`` is off). The strongest combination is priced first; if even it
+    does not fit, the layout stays as it was priced; else every combination is priced and the
+    fastest that fits is kept (``loss_chunk`` and ``offload`` say which). Both features only
+    add work (a recomputed head GEMM, copies), so where memory does not bind neither is used."""
     timed = _simulate_one(ev, c)
-    alt = ev.chunked
-    binds = c.status == "oom" or (c.estimate is not None and any(c.estimate.partition.recompute))
-    if alt is None or c.loss_chunk or not binds:
+    if not _binds(c):
         return timed
-    other = Candidate(c.layout, "screened", loss_chunk=alt.profile.loss_chunk_tokens)
-    timed_other = _simulate_one(alt, other)
-    fits, fits_other = c.status == "feasible", other.status == "feasible"
-    if (fits_other and (not fits or other.time < c.time)) or (
-            not fits and not fits_other and other.peak is not None and (c.peak is None or other.peak < c.peak)):
-        c.status, c.reason, c.estimate, c.peaks, c.loss_chunk = (other.status, other.reason, other.estimate,
-                                                                  other.peaks, other.loss_chunk)
-        return timed_other
+    chunked = ev.chunked
+    offloads = OFFLOAD_FRACTIONS if ev.offloading else ()
+    variants = [(e, f) for e in ((ev, chunked) if chunked is not None else (ev,)) for f in (0.0,) + offloads
+                if e is not ev or f]
+    if not variants:
+        return timed
+    # strongest first: least memory
+    order = sorted(variants, key=lambda v: (v[0] is ev, -v[1]))
+    best, best_timed = None, timed
+    for k, (e, f) in enumerate(order):
+        other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens if e is not ev else 0,
+                          offload=f)
+        t = _simulate_one(e, other)
+        if other.status == "feasible" and (best is None or other.time < best.time):
+            best, best_timed = other, t
+        if k == 0 and other.status != "feasible":
+            if c.status != "feasible" and other.peak is not None and (c.peak is None or other.peak < c.peak):
+                best, best_timed = other, t  # closer to fitting: what the report shows
+            break
+    if best is not None and (best.status != "feasible" or c.status != "feasible" or best.time < c.time):
+        c.status, c.reason, c.estimate, c.peaks = best.status, best.reason, best.estimate, best.peaks
+        c.loss_chunk, c.offload = best.loss_chunk, best.offload
+        return best_timed
     return timed
+
+
+def _binds(c: Candidate) -> bool:
+    return c.status == "oom" or (c.estimate is not None and any(c.estimate.partition.recompute))
 
 
 def evaluator_of(ev: Evaluator, c: Candidate) -> Evaluator:
@@ -650,7 +680,7 @@ def evaluator_of(ev: Evaluator, c: Candidate) -> Evaluator:
 def _simulate_one(ev: Evaluator, c: Candidate) -> bool:
     """Balanced boundaries, recomputing everywhere if that is what fits; returns False when the
     layout was found over the memory limit without timing it (fixed-order schedules)."""
-    lay = c.layout
+    lay = c.priced_layout
     S = lay.num_stages
     bounds = balanced_partition(_unit_totals(ev, lay), S)
     plain, everywhere = Partition(bounds, (False,) * S), Partition(bounds, (True,) * S)
@@ -728,7 +758,7 @@ def _classify(c: Candidate) -> None:
 
 def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
     ev = evaluator_of(ev, c)
-    lay = c.layout
+    lay = c.priced_layout
     if c.estimate is None:  # found OOM before timing: price it now, the ILP starts from it
         S = lay.num_stages
         c.estimate = ev.evaluate(lay, Partition(balanced_partition(_unit_totals(ev, lay), S), (True,) * S))
@@ -775,7 +805,7 @@ def to_plan(res_or_ev, cand: Candidate):
     return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule, num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
-                moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk)
+                moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload)
 
 
 def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:

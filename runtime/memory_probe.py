@@ -91,10 +91,13 @@ class _Mode(TorchDispatchMode):
 class PeakTensorMemory:
     """Context manager: the peak of live tensor bytes in this process while active (see the
     module docstring for exactly what is counted). ``baseline``: tensors alive at enter that
-    belong to the measurement (parameters, their gradients, optimizer states)."""
+    belong to the measurement (parameters, their gradients, optimizer states). ``skip``:
+    storage -> True for storages that are not counted (``HostPool.owns`` of an activation
+    offload on a CPU device, whose "host" buffers live in the same memory)."""
 
-    def __init__(self, baseline: Iterable[torch.Tensor] = ()):
+    def __init__(self, baseline: Iterable[torch.Tensor] = (), skip=None):
         self._baseline = [t for t in baseline if isinstance(t, torch.Tensor)]
+        self._skip = skip  # storage -> True for storages that are not the device's (an offload host pool)
         self._lock = threading.RLock()  # finalizers may run in another thread (e.g. gloo's)
         self._live: dict[int, tuple[int, weakref.finalize]] = {}
         self.live_bytes = 0
@@ -111,7 +114,7 @@ class PeakTensorMemory:
             return
         st = t.untyped_storage()
         n = st.nbytes()
-        if n == 0:
+        if n == 0 or (self._skip is not None and self._skip(st)):
             return
         key = st._cdata
         with self._lock:

@@ -57,6 +57,7 @@ class StageWork:
         # grad_sink(fqn, grad) -> True when it took the gradient (ZeRO-2/3 flat buffers)
         self.grad_sink = grad_sink
         self._grad_keys = {s: tuple(keys.gparam(fqn) for fqn in prog.grad_params) for s, prog in programs.items()}
+        self.offload = None  # runtime/offload.ActivationOffload: saved values parked on the host between F and I/W
 
     def begin(self, microbatches: list[dict[str, torch.Tensor]], loss_scale) -> None:
         """Start a step: data keys for every held stage and microbatch, the loss tangent.
@@ -67,6 +68,9 @@ class StageWork:
         self._loss_scale = list(loss_scale) if isinstance(loss_scale, (list, tuple)) else [loss_scale] * n
         assert len(self._loss_scale) == n, (len(self._loss_scale), n)
         self._scale = {}
+        if self.offload is not None:
+            self.offload.end_step()
+            self.offload.begin_step()
         for k, mb in enumerate(microbatches):
             for s, prog in self.programs.items():
                 self.envs[s, k] = {keys.data(name): mb[name] for name in prog.stage.data}
@@ -85,6 +89,8 @@ class StageWork:
 
     def weight_grads(self, s: int, k: int) -> None:
         prog, env = self.programs[s], self.envs[s, k]
+        if self.offload is not None:
+            self.offload.before(s, k, env, "W")
         with record_function(f"{s}W{k}"):
             _drain(self._gradients(s, prog.w, env, paused=False))
         _release(env, frozenset({"__gin__", "__outputs__"}))
@@ -123,9 +129,13 @@ class StageWork:
         outputs = {name: env.pop(keys.out(name)) for name in prog.stage.outputs}
         _release(env, keep)
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
+        if train and self.offload is not None:
+            self.offload.after_forward(s, k, env, self.state)
 
     def _input_grads(self, s: int, k: int, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
+        if self.offload is not None:
+            self.offload.before(s, k, env, "I")
         yield from _run(paused, prog.i, env, self.state, keep=prog.keys_after("I"))
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, prog.keys_after("I") | {"__outputs__"})
@@ -133,6 +143,8 @@ class StageWork:
 
     def _full_backward(self, s: int, k: int, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
+        if self.offload is not None:
+            self.offload.before(s, k, env, "B")
         with moe_dispatch.fused_backward():
             yield from self._gradients(s, prog.b, env, paused)
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}

@@ -10,7 +10,7 @@ import autopar
 
 def test_every_field_round_trips():
     plan = autopar.Plan(pp=2, dp=2, cp=1, ep=1, schedule="zb-h1", num_microbatches=4, stages_per_rank=1,
-                        stage_cuts=(17,), recompute=(1,), zero=2)
+                        stage_cuts=(17,), recompute=(1,), zero=2, loss_chunk_tokens=512, offload=(0.5, 0.0))
     back = autopar.Plan.from_json(plan.to_json())
     assert back == plan
     assert {f.name for f in fields(autopar.Plan)} <= set(json.loads(plan.to_json()))

@@ -808,7 +808,7 @@ def test_pin_report_when_the_pinned_layout_does_not_fit(gpt_profile):
     out = text(res, {})
     close = res.closest()
     assert "pinned layout" in out and "recomputation:" in out and "ZeRO-1 (pin zero=1)" in out
-    assert "activation offload: not built yet" in out
+    assert "activation offload 1 (Plan(offload=1)): " in out
     assert f"{(close.peak - res.request.memory_limit) / GiB:.2f} GiB" in out
 
 
@@ -880,3 +880,42 @@ def test_planner_chunks_the_loss_only_where_memory_binds(monkeypatch):
     assert off.chosen is None
     roomy = plan(prof, dev, Request(gpus=1, global_batch=4, memory_limit=80e9))
     assert roomy.chosen.loss_chunk == 0
+
+
+def test_planner_offloads_activations_where_memory_binds():
+    """Issue 35 M4: at a limit no layout meets keeping every saved activation on the device
+    without recomputing (every layout priced, balanced stages), the search parks them on the
+    host between F and I/W, and its Plan says so: faster than the best it finds without offload
+    (which must recompute, on an h100 profile where the copies hide behind compute); with room
+    to spare nothing is offloaded."""
+    import dataclasses
+
+    from autopar.examples.gpt import make_gpt
+    from autopar.planner.search import to_plan
+
+    model, inputs, target, loss = make_gpt(n_layer=4, d_model=64, n_head=4, seq_len=128, batch_size=1)
+    prof = profile_model(model, inputs, target, loss, name="gpt-64", n_heads=4)
+    dev = get_profile("h100")
+    kw = dict(gpus=2, global_batch=8, loss_chunking=False, schedules=("1f1b", "zb-h1"), pin={"pp": 2})
+
+    def least_memory(offload):
+        req = Request(memory_limit=1e15, **kw)
+        ev = Evaluator(prof, dev, 1e15, 8)
+        best = math.inf
+        for lay in (x for x in _every_layout(prof, req) if x.pp == 2):
+            bounds = balanced_partition([sum(ev.unit_times(u.kind, lay)) for u in prof.units], lay.num_stages)
+            est = ev.evaluate(dataclasses.replace(lay, offload=offload), Partition(bounds, (False,) * lay.num_stages))
+            best = min(best, max(est.peak_memory))
+        return best
+
+    plain, parked = least_memory(0.0), least_memory(1.0)
+    assert parked < plain
+    limit = (plain + parked) / 2
+    res = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, **kw))
+    assert res.chosen is not None and res.chosen.offload > 0
+    assert not any(res.chosen.estimate.partition.recompute)
+    assert max(res.chosen.estimate.peak_memory) <= limit
+    assert to_plan(res, res.chosen).offload == res.chosen.offload
+    without = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, offloading=False, **kw)).chosen
+    assert without is None or (any(without.estimate.partition.recompute) and res.chosen.time < without.time)
+    assert plan(prof, dev, Request(memory_limit=80e9, **kw)).chosen.offload == 0
