@@ -123,9 +123,12 @@ def _forward(h, weight, bias, target, ignore_index, chunk, ops, values):
     return loss, lse, grad_h
 
 
-def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values) -> list[torch.Tensor]:
+def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values,
+                 into: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The head's weight (and bias) gradient, accumulated over the chunks in fp32, or added into
+    ``into`` (the weight's gradient accumulator, any dtype; no bias) in place."""
     n = h.shape[0]
-    gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    gw = into if into is not None else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     gb = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     fast = _casts_only(ops)
     for a, b in _chunks(n, chunk):
@@ -142,7 +145,7 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
             g = p.to(z0.dtype)
             del z, z0, trail
             gw.add_(g.t() @ rows) if gw.dtype != g.dtype else gw.addmm_(g.t(), rows)
-            gw.index_add_(0, col, -rows.float())
+            gw.index_add_(0, col, -rows.to(gw.dtype))
             if gb is not None:
                 gb.add_(p.t() @ scale)
                 gb.index_add_(0, col, -scale)
@@ -157,6 +160,8 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
         if gb is not None:
             gb.add_(g.sum(0, dtype=torch.float32))
         del g
+    if into is not None:
+        return []
     return [gw.to(weight.dtype)] + ([] if gb is None else [gb.to(bias.dtype)])
 
 
@@ -185,6 +190,23 @@ def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
     return [torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
 
 
+@torch.library.custom_op("autopar::linear_ce_grad_weight_into", mutates_args=("acc",))
+def linear_ce_grad_weight_into(acc: torch.Tensor, grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor, ignore_index: int,
+                               chunk: int, ops: str, values: list[float]) -> None:
+    """``linear_ce_grad_weight`` added into the weight's gradient accumulator ``acc`` in place
+    (no bias): gradient accumulation over microbatches without a fresh ``[vocab, d]`` gradient
+    (passes/exec_code.py puts it in place of the op when the runtime accumulates)."""
+    if bias is not None:
+        raise ValueError("autopar.linear_ce: linear_ce_grad_weight_into takes a head without bias")
+    _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, into=acc)
+
+
+@linear_ce_grad_weight_into.register_fake
+def _(acc, grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
+    return None
+
+
 def _setup(ctx, inputs, output):
     h, weight, bias, target, ignore_index, chunk, ops, values = inputs
     _loss, lse, grad_h = output
@@ -210,6 +232,7 @@ linear_ce_forward.register_autograd(_autograd_backward, setup_context=_setup)
 
 FORWARD_OP = torch.ops.autopar.linear_ce_forward.default
 GRAD_WEIGHT_OP = torch.ops.autopar.linear_ce_grad_weight.default
+GRAD_WEIGHT_INTO_OP = torch.ops.autopar.linear_ce_grad_weight_into.default
 
 
 def flops(target, shapes) -> int | None:
@@ -220,6 +243,8 @@ def flops(target, shapes) -> int | None:
         h, weight = shapes[0], shapes[1]
     elif target is GRAD_WEIGHT_OP:
         h, weight = shapes[1], shapes[2]
+    elif target is GRAD_WEIGHT_INTO_OP:
+        h, weight = shapes[2], shapes[3]
     else:
         return None
     return 2 * 2 * int(h[0]) * int(h[1]) * int(weight[0])

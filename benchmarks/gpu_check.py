@@ -11,6 +11,13 @@
    stand-in for P2P on one device). From the trace: the streams the copies ran on, the stream
    the compute kernels ran on, and how many copies overlapped a compute kernel in time.
 
+3. Offload (issue 35 M5): examples/gpt in local mode on CUDA, pp=2 zb-h1 8 microbatches, two
+   SGD steps with ``Plan(offload=1.0)`` and without: losses and every parameter bit for bit
+   equal; one offloaded step under torch.profiler: the device-to-host and host-to-device
+   copies (``Memcpy DtoH`` / ``HtoD``) ran on a stream other than compute, and some overlapped a
+   compute kernel; ``pm.metrics["offloaded_bytes"]`` > 0.
+4. Chunked loss: the same model with ``Plan(loss_chunk_tokens=...)`` against eager (rtol).
+
 Prints one line per check and exits 0 when the numbers match and the copies ran on a stream
 other than compute, overlapping it.
 """
@@ -128,6 +135,81 @@ def check_streams(args) -> bool:
     return bool(copies) and compute not in streams and overlapping > 0
 
 
+def _copies_on_side_stream(trace: str, kinds: tuple[str, ...]) -> tuple[int, int, int]:
+    """(copies of ``kinds`` in the trace, how many ran off the compute stream, how many of those
+    overlapped a compute kernel)."""
+    with open(trace) as fh:
+        events = json.load(fh)["traceEvents"]
+    gpu = [e for e in events if e.get("ph") == "X" and "stream" in e.get("args", {})]
+    kernel_time: dict[int, float] = {}
+    for e in gpu:
+        if e.get("cat") == "kernel":
+            kernel_time[e["args"]["stream"]] = kernel_time.get(e["args"]["stream"], 0.0) + e["dur"]
+    compute = max(kernel_time, key=kernel_time.get, default=None)
+    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in gpu if e["args"]["stream"] == compute
+                     and e.get("cat") == "kernel")
+    copies = [e for e in gpu if e.get("cat") == "gpu_memcpy" and any(k in e["name"] for k in kinds)]
+    side = [c for c in copies if c["args"]["stream"] != compute]
+    overlapping = sum(1 for c in side if any(a < c["ts"] + c["dur"] and c["ts"] < b for a, b in kernels))
+    return len(copies), len(side), overlapping
+
+
+def check_offload(args) -> bool:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import autopar
+    from autopar.examples.gpt import make_gpt
+
+    def run(offload, steps=2, trace=None):
+        model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                                  seq_len=args.seq, batch_size=args.batch, seed=0)
+        model, inputs, target = model.cuda(), tuple(x.cuda() for x in inputs), target.cuda()
+        pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                                 plan=autopar.Plan(pp=2, schedule="zb-h1", num_microbatches=8, offload=offload),
+                                 example_target=target)
+        losses = [pm.step(inputs, target) for _ in range(steps)]
+        if trace:
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                losses.append(pm.step(inputs, target))
+                torch.cuda.synchronize()
+            prof.export_chrome_trace(trace)
+        return losses, pm.state_dict(), pm.metrics.get("offloaded_bytes", 0)
+
+    (l0, s0, _), (l1, s1, moved) = run(0.0), run(1.0)
+    same = all(torch.equal(a, b) for a, b in zip(l0, l1)) and all(torch.equal(s0[k], s1[k]) for k in s0)
+    trace = args.trace.replace(".json", "_offload.json")
+    run(1.0, steps=1, trace=trace)
+    n, side, overlapping = _copies_on_side_stream(trace, ("DtoH", "HtoD", "Device -> Pinned", "Pinned -> Device"))
+    print(f"offload: bitwise equal with and without: {same}; {moved / 2**20:.1f} MiB copied out a step; {n} "
+          f"device<->host copies, {side} off the compute stream, {overlapping} of those overlap a compute kernel; "
+          f"trace in {trace}")
+    return same and moved > 0 and side > 0 and overlapping > 0
+
+
+def check_chunked_loss(args) -> bool:
+    import torch
+
+    import autopar
+    from autopar.examples.gpt import make_gpt
+
+    def run(chunk):
+        model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                                  seq_len=args.seq, batch_size=args.batch, seed=0)
+        model, inputs, target = model.cuda(), tuple(x.cuda() for x in inputs), target.cuda()
+        pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                                 plan=autopar.Plan(pp=2, schedule="zbv", num_microbatches=4,
+                                                   loss_chunk_tokens=chunk), example_target=target)
+        return [float(pm.step(inputs, target)) for _ in range(2)], pm.state_dict()
+
+    (l0, s0), (l1, s1) = run(0), run(max(1, args.seq // 2))
+    worst = max(float((s1[k] - s0[k]).abs().max() / s0[k].abs().max().clamp_min(1e-30)) for k in s0)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(l1, l0))
+    print(f"chunked loss: loss rel. difference {loss_err:.2e}, worst parameter {worst:.2e} (rtol {args.rtol:g} / 1e-4)")
+    return loss_err <= args.rtol and worst <= 1e-4
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
@@ -140,8 +222,11 @@ def main(argv=None) -> int:
     print(f"gpu_check: torch {torch.__version__}, {torch.cuda.get_device_name()}")
     ok_num = check_numerics(args)
     ok_streams = check_streams(args)
-    print(f"RESULT numerics {'OK' if ok_num else 'FAIL'}, streams {'OK' if ok_streams else 'FAIL'}")
-    return 0 if ok_num and ok_streams else 1
+    ok_offload = check_offload(args)
+    ok_chunk = check_chunked_loss(args)
+    print(f"RESULT numerics {'OK' if ok_num else 'FAIL'}, streams {'OK' if ok_streams else 'FAIL'}, offload "
+          f"{'OK' if ok_offload else 'FAIL'}, chunked loss {'OK' if ok_chunk else 'FAIL'}")
+    return 0 if ok_num and ok_streams and ok_offload and ok_chunk else 1
 
 
 if __name__ == "__main__":

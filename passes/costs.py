@@ -48,7 +48,7 @@ _EXTRA_FLOP_RULES = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_bwd,
     # the chunked cross-entropy (autopar/linear_ce.py): its head GEMMs
     **{op.overloadpacket: (lambda *shapes, out_val=None, _op=op, **kw: linear_ce.flops(_op, shapes))
-       for op in (linear_ce.FORWARD_OP, linear_ce.GRAD_WEIGHT_OP)},
+       for op in (linear_ce.FORWARD_OP, linear_ce.GRAD_WEIGHT_OP, linear_ce.GRAD_WEIGHT_INTO_OP)},
 }
 
 

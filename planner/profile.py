@@ -197,7 +197,7 @@ class UnitKind:
     loss_chunk_row_bytes: float = 0.0
     loss_chunk: int = 0
     loss_tokens: int = 0
-    loss_fixed_bytes: float = 0.0  # its fp32 weight-gradient accumulator (the op returns a fresh gradient)
+    loss_fixed_bytes: float = 0.0  # its weight gradient's [vocab, d] temporaries
     # of ``saved_bytes``, what only W reads (an activation offload keeps it on the host through I)
     saved_w_only: float = 0.0
 
@@ -919,7 +919,11 @@ def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is
     chunked = chunk_stage_loss(stage, chunk)
     sp = split_backward(chunked, requires, trainable)
     kind = _unit_kind(plain.kind, sp, chunked, is_expert, measure=timer.add(sp, chunked, chunk) if timer else None)
-    fixed = 4 * sum(v.numel() for v in (m.head.args[1].meta["val"],) + (
-        (m.head.args[2].meta["val"],) if len(m.head.args) > 2 and m.head.args[2] is not None else ()))
+    # the weight gradient: added into its accumulator chunk by chunk, in place at fp32
+    # (passes/exec_code.py); a narrower head's chunk GEMM makes a [vocab, d] temporary; with a
+    # bias the op returns a fresh fp32 gradient
+    w = m.head.args[1].meta["val"]
+    has_bias = len(m.head.args) > 2 and m.head.args[2] is not None
+    fixed = 4 * w.numel() if has_bias else (w.numel() * w.element_size() if w.element_size() < 4 else 0)
     return replace(kind, loss_chunk_row_bytes=float(row), loss_chunk=chunk, loss_tokens=m.tokens,
                    loss_fixed_bytes=float(fixed)), chunk

@@ -65,6 +65,7 @@ class DistributedPipeline:
         self.work = StageWork({s: programs[s] for s in self.my_stages}, schedule.num_stages, state,
                               data_parallel.grads, grad_sink=data_parallel.grad_sink)
         self.executed: list[str] = []
+        self._compute_order = [(a.stage, a.microbatch, a.type) for a in lowered.actions[mesh.pp_rank] if a.is_compute]
         self.position = "not started"
         self.step_index = 0
         self._m = schedule.num_microbatches
@@ -309,6 +310,19 @@ class DistributedPipeline:
         elif self.owner[s + 1] == self.mesh.pp_rank:  # next stage on this rank: hand over in place
             self.work.put_inputs(s + 1, k, self.work.take_outputs(s, k))
         self.executed.append(f"{s}F{k}")
+        self._prefetch_next()
+
+    def _prefetch_next(self) -> None:
+        """Start bringing back what the rank's next compute action reads, if the activation
+        offload parked it (runtime/offload.py): its copy runs while this rank waits or computes."""
+        offload = self.work.offload
+        if offload is None or not self.training or not offload.prefetch_ahead:
+            return
+        order = self._compute_order
+        if len(self.executed) < len(order):
+            s, k, kind = order[len(self.executed)]
+            if kind != "F":
+                offload.prefetch(s, k, kind)
 
     def backward(self, s: int, k: int, kind: str) -> None:
         """kind "I" (input grads only) or "B" (input and weight grads)."""
@@ -322,6 +336,7 @@ class DistributedPipeline:
         elif self.owner[s - 1] == self.mesh.pp_rank:
             self.work.put_grads(s - 1, k, self.work.take_input_grads(s, k))
         self.executed.append(f"{s}{kind}{k}")
+        self._prefetch_next()
         if kind == "B":
             self._stage_progress(s)
 
@@ -329,6 +344,7 @@ class DistributedPipeline:
         self.at(f"running {s}W{k}")
         self.work.weight_grads(s, k)
         self.executed.append(f"{s}W{k}")
+        self._prefetch_next()
         self._stage_progress(s)
 
     def _wait(self, recv: comms.PendingRecv) -> dict[str, torch.Tensor]:

@@ -18,8 +18,9 @@ is bit for bit what left.
 On CUDA the copies run on a side stream into pinned host buffers: the copy out waits for F on
 the compute stream, the device tensor is handed to the allocator at once (``record_stream``
 keeps its memory until the copy is done); the copy back waits for that copy, and the compute
-stream waits for the copy back before the program runs. ``prefetch`` starts a copy back one
-action ahead. On a CPU device the "host" copy goes to buffers the pool keeps apart
+stream waits for the copy back before the program runs. The distributed executor calls
+``prefetch`` one action ahead: the copy back of the next backward's values starts right after
+the current action. On a CPU device the "host" copy goes to buffers the pool keeps apart
 (``HostPool.owns``), so the runtime's memory probe can tell what left the device's accounting;
 the copies are synchronous there.
 """
@@ -174,6 +175,10 @@ class ActivationOffload:
         self.offloaded_bytes = 0
         self.skipped: set[str] = set()  # chosen keys whose tensor was a view of another's storage
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # the distributed executor starts each copy back one action ahead (runtime/distributed.py
+        # ``_prefetch_next``); on a CPU device, where copies are synchronous, that only moves
+        # memory earlier, so it is off unless asked for (tests run the path)
+        self.prefetch_ahead = self._side is not None
         self._returns: list = []  # (event, host buffer): handed back to the pool once the copy back is done
 
     @property

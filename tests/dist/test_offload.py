@@ -1,14 +1,17 @@
 """Issue 35 M3: activation offload (runtime/offload.py) on 2 gloo processes.
 
 For 1f1b, zb-h1 and zbv at pp=2 (the planner's stage cuts), examples/gpt (4 blocks of width 64,
-128 tokens a sample, so that activations outweigh the small fixed tensors) trained two SGD steps with ``Plan(offload=0)`` and ``Plan(offload=1)`` gives bit-for-bit the same losses and
-parameters. A run whose copy back hands out its buffer before the bytes arrive (what a reload
-racing its copy does) is caught: its losses differ. The device-resident bytes the runtime's probe
-measures in step 2 (the host pool kept apart) drop on every rank by the planner's predicted drop
-of its activations, within 5%: the bytes of the distinct storages behind every microbatch's
-saved values and kept stage inputs (not parameters, and an input only once its F ran: before, it
-is a transfer buffer), sampled when F ends, when a backward program has what it reads back and
-after every action (``activation_peak``): the quantity the planner's "activations" row predicts.
+128 tokens a sample, so that activations outweigh the small fixed tensors) trained two SGD
+steps with ``Plan(offload=0)`` and ``Plan(offload=1)`` gives bit-for-bit the same losses and
+parameters; so do zb-h1 and zbv half offloaded with the copy back one action ahead. A run
+whose copy back hands out its buffer before the bytes arrive (what a reload racing its copy
+does) is caught: its losses differ. On every rank, the device-resident activation bytes of
+step 2 drop by the planner's predicted drop of its activations, within 5%: measured as the
+bytes of the distinct storages behind every microbatch's saved values and kept stage inputs
+(not parameters, and an input only once its F ran: before, it is a transfer buffer), sampled
+when F ends, when a backward program has what it reads back and after every action
+(``activation_peak``), the quantity the planner's "activations" row predicts; and the whole
+peak of live tensor bytes (``PeakTensorMemory``, the host pool left out) drops.
 """
 import functools
 
@@ -103,7 +106,7 @@ def _train(rank, world, subcases):
     from autopar.runtime.memory_probe import PeakTensorMemory
 
     out = []
-    for plan, racing in subcases:
+    for plan, racing, ahead in subcases:
         model, inputs, target, loss_fn = _model()
         saved = offload_mod.ActivationOffload._copy_back
         if racing:  # the buffer is handed out before the bytes arrive
@@ -115,8 +118,10 @@ def _train(rank, world, subcases):
         try:
             pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, plan=plan,
                                      optimizer=functools.partial(torch.optim.SGD, lr=0.5), example_target=target)
-            losses = [pm.step(inputs, target)]
             work = pm.built.executor.work
+            if ahead:  # the copy back one action ahead (off by default on a CPU device)
+                work.offload.prefetch_ahead = True
+            losses = [pm.step(inputs, target)]
             params = [p for p in work.grads.tensors.values()]
             skip = work.offload.pool.owns if work.offload is not None else None
             with PeakTensorMemory(params, skip=skip) as probe:
@@ -135,8 +140,9 @@ def test_offload_is_bitwise_and_drops_what_the_planner_predicts():
     subcases = []
     for sched in SCHEDULES:
         plan, _ = plans[sched]
-        subcases += [(plan, False), (dataclasses.replace(plan, offload=1.0), False)]
-    subcases.append((dataclasses.replace(plans["1f1b"][0], offload=1.0), True))
+        subcases += [(plan, False, False), (dataclasses.replace(plan, offload=1.0), False, False)]
+    subcases.append((dataclasses.replace(plans["1f1b"][0], offload=1.0), True, False))
+    subcases += [(dataclasses.replace(plans[sched][0], offload=0.5), False, True) for sched in ("zb-h1", "zbv")]
     per_rank = run_shared(_train, 2, subcases, deadline_s=300)
     for j, sched in enumerate(SCHEDULES):
         _plan, acts = plans[sched]
@@ -153,6 +159,11 @@ def test_offload_is_bitwise_and_drops_what_the_planner_predicts():
                                                                   acts[0.0][r], acts[1.0][r])
             if predicted:  # and the whole device peak drops
                 assert on["peak"] < off["peak"], (sched, r)
-    racing = per_rank[0][-1]["losses"]
+    racing = per_rank[0][2 * len(SCHEDULES)]["losses"]
     assert any(not torch.equal(a, b) for a, b in zip(racing, per_rank[0][0]["losses"])), \
         "a copy back that races its copy went unnoticed"
+    for j, sched in enumerate(("zb-h1", "zbv")):  # half offloaded, brought back one action ahead
+        base = per_rank[0][2 * SCHEDULES.index(sched)]
+        ahead = per_rank[0][2 * len(SCHEDULES) + 1 + j]
+        assert ahead["offloaded"] > 0 and all(torch.equal(a, b) for a, b in zip(ahead["losses"], base["losses"]))
+        assert all(torch.equal(ahead["state"][k], base["state"][k]) for k in base["state"]), sched
