@@ -242,7 +242,7 @@ def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
     """The activation offload of the plan (when it has one): the share, the bytes one microbatch
     parks per stage, and the copy time compute does not hide."""
     if not c.offload:
-        return []
+        return ["  activation offload: not used (this plan fits faster without it)"] if res.evaluator.offloading else []
     from .search import evaluator_of
 
     ev, est = evaluator_of(res.evaluator, c), c.estimate
