@@ -40,7 +40,7 @@ they can); ep groups are drawn from the dp*cp ranks of one stage.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from autopar.parallel.zero_layout import MASTER_BYTES, ParamSpec, ZeroLayout, zero_layout
@@ -300,6 +300,10 @@ class Estimate:
     message_bytes: tuple[float, ...] = ()
     p2p_link: tuple[float, float] = (0.0, 1.0)        # (alpha, bandwidth)
     schedule_obj: object = field(default=None, repr=False)
+    # activation offload (Layout.offload), per pp rank: the most bytes parked on the host at once,
+    # and the copy time compute does not hide, summed over the step's actions
+    host_bytes: tuple[float, ...] = ()
+    offload_exposed_s: tuple[float, ...] = ()
 
     @property
     def step_time(self) -> float:
@@ -693,6 +697,37 @@ class Evaluator:
         self._act_peaks[key] = (sched, peaks)
         return peaks
 
+    def offload_report(self, lay: Layout, part: Partition, sched, costs: Costs) -> tuple[tuple, tuple]:
+        """Per pp rank under ``lay.offload``: the peak of the bytes parked on the host (walking the
+        rank's actions, as ``offload_peaks``) and the copy time its F and I/B do not hide."""
+        after_f, _ = self.stage_amounts(lay, part)
+        sc = self.scale(lay)
+        w_only = [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
+                  for s, kinds in enumerate(self.stage_kinds(part))]
+        parked_f = [lay.offload * a for a in after_f]
+        parked_w = [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
+        plain = self.stage_costs(replace(lay, offload=0.0), part)
+        host, exposed = [], []
+        for acts in sched.actions:
+            now = peak = t = 0.0
+            for a in acts:
+                s = a.stage
+                if a.type == _F:
+                    now += parked_f[s]
+                    t += costs.f[s] - plain.f[s]
+                elif a.type == _I:
+                    now -= parked_f[s] - parked_w[s]
+                    t += costs.i[s] - plain.i[s]
+                elif a.type == _W:
+                    now -= parked_w[s]
+                else:  # B
+                    now -= parked_f[s]
+                    t += costs.i[s] - plain.i[s]
+                peak = max(peak, now)
+            host.append(peak)
+            exposed.append(t)
+        return tuple(host), tuple(exposed)
+
     def offload_seconds(self, lay: Layout, nbytes: float) -> float:
         """Seconds one copy of ``nbytes`` between device and host takes: over the host link on a
         GPU (a side stream), a read and a write at the streaming bandwidth on the cpu profile
@@ -830,6 +865,8 @@ class Evaluator:
                        p2p_link=(alpha, links["pp"].bandwidth), schedule_obj=sched)
         tokens = self.global_batch * (self.profile.seq_len or 1)
         est.tokens_per_s = tokens / est.step_time
+        if lay.offload:
+            est.host_bytes, est.offload_exposed_s = self.offload_report(lay, part, sched, costs)
         flops = self.profile.flops_per_sample() * self.global_batch
         peak = self.device.flops_rate("bfloat16" if p.weight == 2 else "float32") / self.device.flops_efficiency
         est.mfu = flops / (est.step_time * lay.world * peak)

@@ -105,6 +105,9 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         out["bubble"] = est.bubble
         out["peak_memory_bytes"] = [float(x) for x in est.peak_memory]
         out["memory_breakdown_bytes"] = [{k: float(v) for k, v in row.items()} for row in est.memory]
+        if est.host_bytes:
+            out["offload_host_bytes"] = [float(x) for x in est.host_bytes]
+            out["offload_exposed_s"] = [float(x) for x in est.offload_exposed_s]
         out["memory_formula"] = [str(memory_formula(res, est, r)) for r in range(len(est.memory))]
         out["stages"] = rows
     alts = [x for x in res.feasible() if x is not c][:top]
@@ -239,21 +242,15 @@ def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
 
 
 def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
-    """The activation offload of the plan (when it has one): the share, the bytes one microbatch
-    parks per stage, and the copy time compute does not hide."""
+    """The activation offload of the plan: the share, and per pp rank the most bytes parked on
+    the host at once and the copy time compute does not hide."""
     if not c.offload:
         return ["  activation offload: not used (this plan fits faster without it)"] if res.evaluator.offloading else []
-    from .search import evaluator_of
-
-    ev, est = evaluator_of(res.evaluator, c), c.estimate
-    lay = c.priced_layout
-    parked = [c.offload * a for a in ev.stage_amounts(lay, est.partition)[0]]
-    plain = ev.stage_costs(replace(lay, offload=0.0), est.partition)
-    exposed = sum(lay.m * ((f1 - f0) + (i1 - i0)) for f0, f1, i0, i1 in
-                  zip(plain.f, est.stage_costs.f, plain.i, est.stage_costs.i))
-    return [f"  activation offload: {c.offload:g} of every stage's saved activations parked on the host between F "
-            f"and I/W ({max(parked) / GiB:.2f} GiB a microbatch on the heaviest stage; copies not hidden by compute: "
-            f"{exposed * 1e3:.3g} ms of stage time a step)"]
+    est = c.estimate
+    per_rank = ", ".join(f"rank {r}: {h / GiB:.2f} GiB parked, {t * 1e3:.3g} ms exposed"
+                         for r, (h, t) in enumerate(zip(est.host_bytes, est.offload_exposed_s)))
+    return [f"  activation offload: {c.offload:g} of every stage's saved activations on the host between F and "
+            f"I/W ({per_rank})"]
 
 
 def _why_lost(c: Candidate) -> str:

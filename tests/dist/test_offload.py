@@ -10,8 +10,9 @@ step 2 drop by the planner's predicted drop of its activations, within 5%: measu
 bytes of the distinct storages behind every microbatch's saved values and kept stage inputs
 (not parameters, and an input only once its F ran: before, it is a transfer buffer), sampled
 when F ends, when a backward program has what it reads back and after every action
-(``activation_peak``), the quantity the planner's "activations" row predicts; and the whole
-peak of live tensor bytes (``PeakTensorMemory``, the host pool left out) drops.
+(``activation_peak``), the quantity the planner's "activations" row predicts; the whole peak
+of live tensor bytes (``PeakTensorMemory``, the host pool left out) drops; and the host pool's
+peak is the planner's parked bytes (``Estimate.host_bytes``) within 5%.
 """
 import functools
 
@@ -48,9 +49,10 @@ def _plans():
     for sched in SCHEDULES:
         lay = Layout(2, 1, 1, 1, sched, default_stages_per_rank(sched), M, mb, 0)
         cand = price(ev, lay)
-        acts = {f: [row["activations"] for row in ev.evaluate(Layout(2, 1, 1, 1, sched, lay.v, M, mb, 0, f),
-                                                              cand.estimate.partition).memory]
+        ests = {f: ev.evaluate(Layout(2, 1, 1, 1, sched, lay.v, M, mb, 0, f), cand.estimate.partition)
                 for f in (0.0, 1.0)}
+        acts = {f: [row["activations"] for row in est.memory] for f, est in ests.items()}
+        acts["host"] = list(ests[1.0].host_bytes)
         out[sched] = (to_plan(ev, cand), acts)
     return out
 
@@ -129,6 +131,7 @@ def _train(rank, world, subcases):
         finally:
             offload_mod.ActivationOffload._copy_back = saved
         out.append({"losses": losses, "state": pm.state_dict(), "peak": probe.peak_bytes, "acts": acts,
+                    "host": work.offload.pool.peak_bytes if work.offload is not None else 0,
                     "offloaded": pm.metrics.get("offloaded_bytes"), "plan": dataclasses.asdict(plan)})
     return out
 
@@ -159,6 +162,8 @@ def test_offload_is_bitwise_and_drops_what_the_planner_predicts():
                                                                   acts[0.0][r], acts[1.0][r])
             if predicted:  # and the whole device peak drops
                 assert on["peak"] < off["peak"], (sched, r)
+            # the host pool's peak is the planner's parked bytes
+            assert abs(on["host"] - acts["host"][r]) <= 0.05 * acts["host"][r], (sched, r, on["host"], acts["host"])
     racing = per_rank[0][2 * len(SCHEDULES)]["losses"]
     assert any(not torch.equal(a, b) for a, b in zip(racing, per_rank[0][0]["losses"])), \
         "a copy back that races its copy went unnoticed"

@@ -916,6 +916,10 @@ def test_planner_offloads_activations_where_memory_binds():
     assert not any(res.chosen.estimate.partition.recompute)
     assert max(res.chosen.estimate.peak_memory) <= limit
     assert to_plan(res, res.chosen).offload == res.chosen.offload
+    from autopar.planner.report import text
+
+    host = res.chosen.estimate.host_bytes
+    assert host[0] > 0 and f"rank 0: {host[0] / GiB:.2f} GiB parked" in text(res, {})
     without = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, offloading=False, **kw)).chosen
     assert without is None or (any(without.estimate.partition.recompute) and res.chosen.time < without.time)
     assert plan(prof, dev, Request(memory_limit=80e9, **kw)).chosen.offload == 0
