@@ -264,13 +264,13 @@ def default_chunk(vocab: int) -> int:
     return c
 
 
-def working_bytes(chunk: int, vocab: int, head_itemsize: int, fp32_steps: int) -> int:
-    """Bytes the ops hold at once for one chunk of ``chunk`` tokens (their peak, inside the
-    kernels, beyond their inputs and outputs): the head's output, each fp32 element-wise step of
+def working_bytes_per_token(vocab: int, head_itemsize: int, fp32_steps: int) -> int:
+    """Bytes the ops hold at once per token of a chunk (their peak, inside the kernels, beyond
+    their inputs and outputs): the head's output, each fp32 element-wise step of
     the epilogue, one fp32 ``[chunk, vocab]`` buffer (the exponential ``logsumexp`` forms, then the
     probabilities and their gradient), and that gradient cast back to the head's dtype when it
     is narrower."""
-    return chunk * vocab * (head_itemsize + 4 * fp32_steps + 4 + (head_itemsize if head_itemsize < 4 else 0))
+    return vocab * (head_itemsize + 4 * fp32_steps + 4 + (head_itemsize if head_itemsize < 4 else 0))
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,

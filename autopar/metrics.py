@@ -90,9 +90,8 @@ class Recorder:
                "mfu": self.flops / (elapsed * built.plan.world_size * self.peak),
                "peak_memory_bytes": peak_memory_bytes(built.device),
                **{k: v for k, v in (built.prediction or {}).items() if k != "summary"}}
-        offload = getattr(built.executor.work, "offload", None)
-        if offload is not None:
-            out["offloaded_bytes"] = offload.offloaded_bytes
+        if built.executor.work.offload is not None:
+            out["offloaded_bytes"] = built.executor.work.offload.offloaded_bytes
         routed = moe_dispatch.receive_stats(built.moe_keys)
         if routed["dispatches"]:
             self.steps_over_priced += bool(routed["over_priced"])

@@ -125,7 +125,6 @@ class Plan:
                                         if self.moe_imbalance is not None else []) + (
             [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else []) + (
             [("loss chunk (tokens)", self.loss_chunk_tokens)] if self.loss_chunk_tokens else []) + (
-            [("offload", self.offload)] if any(self.offload if isinstance(self.offload, tuple) else (self.offload,))
-            else [])
+            [("offload", self.offload)] if any(map(self.offload_of, range(self.num_stages))) else [])
         w = max(len(k) for k, _ in rows)
         return "\n".join(f"  {k:<{w}}  {v}" for k, v in rows)

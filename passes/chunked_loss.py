@@ -14,9 +14,9 @@ and replaces it by ``autopar::linear_ce_forward`` (autopar/linear_ce.py) on the 
 laid out the same way (the layout ops applied to ``h``; they commute with element-wise ops),
 followed by the reduction as ordinary graph ops (sum of the per-token losses, divided by the
 valid-target count for ``mean``). Label shifting, ``num_items_in_batch`` divisions and
-everything else stay as they were. Any other shape of loss is left unchanged. The op's
-autograd splits the backward into an input-gradient op (in I) and a weight-gradient op (in W,
-deferrable); each recomputes its chunk logits.
+everything else stay as they were. Any other shape of loss is left unchanged. The op computes
+the hidden states' gradient in the forward (I only scales it); the head's weight gradient is a
+separate op that recomputes the chunk logits, so it lands in W (deferrable).
 
 Numerics: the per-token losses and their sum are fp32 (cast to the logits' dtype at the end,
 as the loss was); equal to the unchunked graph to fp32 rounding.
@@ -56,7 +56,6 @@ class LinearLoss:
     tokens: int            # rows of the logits the loss reads
     hidden: int            # d
     vocab: int             # V
-    logits_bytes: int      # bytes of the largest tensor of the chain (the logits as the loss reads them)
 
 
 def find_linear_losses(gm: fx.GraphModule) -> list[LinearLoss]:
@@ -106,14 +105,8 @@ def _match(ce: fx.Node) -> LinearLoss | None:
     hv, wv = _val(h), _val(w)
     if hv is None or wv is None or wv.dim() != 2 or not hv.is_floating_point():
         return None
-    biggest = max(linear_ce_bytes(n) for n in [cur, *chain])
     return LinearLoss(loss=ce, head=cur, chain=tuple(reversed(chain)), tokens=int(xv.shape[0]),
-                      hidden=int(wv.shape[1]), vocab=int(wv.shape[0]), logits_bytes=biggest)
-
-
-def linear_ce_bytes(node: fx.Node) -> int:
-    v = _val(node)
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+                      hidden=int(wv.shape[1]), vocab=int(wv.shape[0]))
 
 
 def _chain_op(node: fx.Node) -> bool:

@@ -52,6 +52,28 @@ _EXTRA_FLOP_RULES = {
 }
 
 
+# ops whose output aliases their first input's storage besides those torch marks ``is_view``
+_VIEW_LIKE = {"_unsafe_view", "alias", "detach", "lift_fresh", "lift_fresh_copy"}
+
+
+def is_view(node: fx.Node) -> bool:
+    """The node's value shares the storage of its first input (a view op, or one item of a
+    tuple-valued op)."""
+    t = node.target
+    if t is operator.getitem:
+        return True
+    if isinstance(t, torch._ops.OpOverload):
+        return bool(t.is_view) or t._opname in _VIEW_LIKE
+    return False
+
+
+def view_base(node: fx.Node) -> fx.Node:
+    """The node whose storage ``node``'s value holds: its chain of views walked back."""
+    while node.op == "call_function" and is_view(node) and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
 def value_bytes(val) -> int:
     """Bytes held by a (possibly nested) node value: the sum over its tensors."""
     total = 0

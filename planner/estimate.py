@@ -219,33 +219,39 @@ def fixed_schedule(name: str, pp: int, m: int, v: int):
     return get(name).make(pp, m, v)
 
 
-def offload_peaks(schedule, after_f, after_i, parked_f, parked_w) -> tuple[float, ...]:
-    """Per-rank peak of saved activations under an activation offload (runtime/offload.py),
-    walking each rank's actions: of a microbatch's ``after_f[s]`` bytes, ``parked_f[s]`` are on
-    the host from the end of its F until its I or B brings them back; I brings back all but
-    ``parked_w[s]`` (what only W reads), which W brings back. During an F the microbatch is
-    whole on the device, and so is what each backward program reads while it runs. With
-    nothing parked this is ``schedules.simulate.peak_memory`` with ``after_i_bytes``."""
-    peaks = []
+def offload_peaks(schedule, after_f, after_i, parked_f, parked_w) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Per-rank peaks of saved activations on the device and of what is parked on the host,
+    under an activation offload (runtime/offload.py), walking each rank's actions: of a
+    microbatch's ``after_f[s]`` bytes, ``parked_f[s]`` are on the host from the end of its F
+    until its I or B brings them back; I brings back all but ``parked_w[s]`` (what only W
+    reads), which W brings back. During an F the microbatch is whole on the device, and so is
+    what each backward program reads while it runs. With nothing parked the device peaks are
+    ``schedules.simulate.peak_memory``'s with ``after_i_bytes``."""
+    device, host = [], []
     for acts in schedule.actions:
-        mem = peak = 0.0
+        mem = peak = away = away_peak = 0.0
         for a in acts:
             s = a.stage
             if a.type == _F:
                 peak = max(peak, mem + after_f[s])
                 mem += after_f[s] - parked_f[s]
+                away += parked_f[s]
             elif a.type == _I:
                 peak = max(peak, mem + parked_f[s] - parked_w[s])
                 mem += (after_i[s] - parked_w[s]) - (after_f[s] - parked_f[s])
+                away -= parked_f[s] - parked_w[s]
             elif a.type == _W:
                 peak = max(peak, mem + parked_w[s])
                 mem -= after_i[s] - parked_w[s]
+                away -= parked_w[s]
             else:  # B
                 peak = max(peak, mem + parked_f[s])
                 mem -= after_f[s] - parked_f[s]
-            peak = max(peak, mem)
-        peaks.append(peak)
-    return tuple(peaks)
+                away -= parked_f[s]
+            peak, away_peak = max(peak, mem), max(away_peak, away)
+        device.append(peak)
+        host.append(away_peak)
+    return tuple(device), tuple(host)
 
 
 @dataclass(frozen=True)
@@ -575,7 +581,7 @@ class Evaluator:
         S = len(part.bounds) - 1
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
-        parked_bytes = [lay.offload * a for a in self.stage_amounts(lay, part)[0]] if lay.offload else []
+        parked_bytes = self.parked(lay, part, self.stage_amounts(lay, part)[0])[0] if lay.offload else []
         for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
             tf = ti = tw = cf = ci = 0.0
             for k in kinds:
@@ -680,13 +686,7 @@ class Evaluator:
         after_f, after_i = self.stage_amounts(lay, part, moe)
         if lay.offload:
             sched = sched if sched is not None else fixed_schedule(lay.schedule, lay.pp, lay.m, lay.v)
-            sc = self.scale(lay)
-            # through I, what only W reads stays on the host (at stage 0, whose I is empty, all of it)
-            w_only = [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
-                      for s, kinds in enumerate(self.stage_kinds(part))]
-            parked_f = [lay.offload * a for a in after_f]
-            parked_w = [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
-            return offload_peaks(sched, after_f, after_i, parked_f, parked_w)
+            return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))[0]
         if lay.schedule != "zb-auto" or sched is None:
             return frontier_peaks(inflight_frontier(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i)
         key = (id(sched), tuple(after_f), tuple(after_i))
@@ -697,36 +697,26 @@ class Evaluator:
         self._act_peaks[key] = (sched, peaks)
         return peaks
 
-    def offload_report(self, lay: Layout, part: Partition, sched, costs: Costs) -> tuple[tuple, tuple]:
-        """Per pp rank under ``lay.offload``: the peak of the bytes parked on the host (walking the
-        rank's actions, as ``offload_peaks``) and the copy time its F and I/B do not hide."""
-        after_f, _ = self.stage_amounts(lay, part)
+    def parked(self, lay: Layout, part: Partition, after_f) -> tuple[list[float], list[float]]:
+        """Per stage under ``lay.offload``: the bytes of a microbatch parked on the host after
+        its F, and of those what stays parked through I (what only W reads; at stage 0, whose I
+        is empty, all of it). ``after_f``: ``stage_amounts``'s."""
         sc = self.scale(lay)
         w_only = [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
                   for s, kinds in enumerate(self.stage_kinds(part))]
-        parked_f = [lay.offload * a for a in after_f]
-        parked_w = [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
+        return [lay.offload * a for a in after_f], [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
+
+    def offload_report(self, lay: Layout, part: Partition, sched, costs: Costs) -> tuple[tuple, tuple]:
+        """Per pp rank under ``lay.offload``: the peak of the bytes parked on the host
+        (``offload_peaks``) and the copy time its F and I/B do not hide over the step (each of
+        its stages runs m of each)."""
+        after_f, after_i = self.stage_amounts(lay, part)
+        host = offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))[1]
         plain = self.stage_costs(replace(lay, offload=0.0), part)
-        host, exposed = [], []
-        for acts in sched.actions:
-            now = peak = t = 0.0
-            for a in acts:
-                s = a.stage
-                if a.type == _F:
-                    now += parked_f[s]
-                    t += costs.f[s] - plain.f[s]
-                elif a.type == _I:
-                    now -= parked_f[s] - parked_w[s]
-                    t += costs.i[s] - plain.i[s]
-                elif a.type == _W:
-                    now -= parked_w[s]
-                else:  # B
-                    now -= parked_f[s]
-                    t += costs.i[s] - plain.i[s]
-                peak = max(peak, now)
-            host.append(peak)
-            exposed.append(t)
-        return tuple(host), tuple(exposed)
+        s2r = sched.stage_to_rank
+        exposed = tuple(lay.m * sum(costs.f[s] - plain.f[s] + costs.i[s] - plain.i[s]
+                                    for s in range(len(s2r)) if s2r[s] == r) for r in range(lay.pp))
+        return host, exposed
 
     def offload_seconds(self, lay: Layout, nbytes: float) -> float:
         """Seconds one copy of ``nbytes`` between device and host takes: over the host link on a

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import math
-import operator
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -50,22 +49,14 @@ import torch
 import torch.fx as fx
 
 from autopar.parallel.zero_layout import ParamSpec
+from autopar.passes.costs import is_view as _is_view
+from autopar.passes.costs import view_base as _base
 
 log = logging.getLogger("autopar")
 
-_VIEW_LIKE = {"_unsafe_view", "alias", "detach", "lift_fresh", "lift_fresh_copy"}
 _ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
               "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
               "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _is_view(node: fx.Node) -> bool:
-    t = node.target
-    if t is operator.getitem:
-        return True
-    if isinstance(t, torch._ops.OpOverload):
-        return bool(t.is_view) or t._opname in _VIEW_LIKE
-    return False
 
 
 def _is_attention_fwd(node: fx.Node) -> bool:
@@ -192,7 +183,7 @@ class UnitKind:
     # the captured microbatch; None for models captured on fake tensors (meta presets)
     measure: Callable[[], tuple[float, float, float]] | None = field(default=None, compare=False, repr=False)
     # the chunked cross-entropy's buffers inside its ops, which no graph value shows
-    # (autopar/linear_ce.working_bytes): bytes per token of one chunk, the chunk, and the loss's
+    # (autopar/linear_ce.working_bytes_per_token): bytes per token of one chunk, the chunk, and the loss's
     # tokens at the captured microbatch (a microbatch with fewer tokens than a chunk holds fewer)
     loss_chunk_row_bytes: float = 0.0
     loss_chunk: int = 0
@@ -459,20 +450,12 @@ def _storage_bytes(nodes: Sequence[fx.Node], param_like: set[str]) -> float:
     parameters/buffers/constants cost nothing (the state is counted elsewhere)."""
     bases: dict[str, float] = {}
     for n in nodes:
-        base = n
-        while base.op == "call_function" and _is_view(base) and base.all_input_nodes:
-            base = base.all_input_nodes[0]
+        base = _base(n)
         if base.op == "placeholder" and base.name in param_like:
             continue
         if base.name not in bases:
             bases[base.name] = float(base.meta.get("autopar_bytes", 0))
     return sum(bases.values())
-
-
-def _base(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and _is_view(node) and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
 
 
 def _live_set(gm: fx.GraphModule, results: Sequence[str] = (), skip: tuple[str, ...] = ()) -> tuple[float, float]:
@@ -673,14 +656,13 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     saved_nodes = [v for v, k in zip(f_out.args[0], sp.f.results) if keys.is_kind(k, keys.SAVED)]
     # stage inputs that I, W or B read stay in the microbatch env after F, like saved values
     later = set(sp.i.args) | set(sp.w.args) | set(sp.b.args)
-    kept_inputs = [n for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
-                   if keys.is_kind(k, keys.INPUT) and k in later]
+    f_phs = [n for n in sp.f.gm.graph.nodes if n.op == "placeholder"]
+    kept_inputs = [n for n, k in zip(f_phs, sp.f.args) if keys.is_kind(k, keys.INPUT) and k in later]
     saved = _storage_bytes(saved_nodes + kept_inputs, f_state)
     w_phs = [n for n in sp.w.gm.graph.nodes if n.op == "placeholder"]
     w_state = {n.name for n, k in zip(w_phs, sp.w.args) if keys.is_state(k)}
     after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not keys.is_state(k)
                               and not keys.is_kind(k, keys.GRAD)], w_state)
-    f_phs = [n for n in sp.f.gm.graph.nodes if n.op == "placeholder"]
     from_f = {**dict(zip(sp.f.args, f_phs)), **dict(zip(sp.f.results, f_out.args[0]))}
     # what only W reads of what F kept, by storage: a storage I also reads (through any value
     # viewing it) comes back for I (runtime/offload.py parks and brings back whole storages)
@@ -915,7 +897,7 @@ def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is
     chunk = linear_ce.default_chunk(m.vocab)
     head = m.head.meta["val"]
     fp32_steps = sum(1 for n in m.chain if n.meta["val"].dtype == torch.float32 and not _is_view(n))
-    row = linear_ce.working_bytes(1, m.vocab, head.element_size(), fp32_steps)
+    row = linear_ce.working_bytes_per_token(m.vocab, head.element_size(), fp32_steps)
     chunked = chunk_stage_loss(stage, chunk)
     sp = split_backward(chunked, requires, trainable)
     kind = _unit_kind(plain.kind, sp, chunked, is_expert, measure=timer.add(sp, chunked, chunk) if timer else None)

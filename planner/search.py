@@ -141,7 +141,6 @@ class Candidate:
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
     loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
     offload: float = 0.0                # share of the saved activations parked on the host (runtime/offload.py)
-    simulations: int = 0                # pipelines priced for it (its memory-feature variants too): search work
 
     @property
     def priced_layout(self) -> Layout:
@@ -388,7 +387,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
                 break
             continue
         n_timed += 1
-        spent += simulation_work(lay)  # (a layout's memory-feature variants are not counted: Candidate.simulations)
+        spent += simulation_work(lay)  # (a layout's memory-feature variants are not counted: _simulate)
         if c.status == "feasible":
             best = min(best, c.time)
     for c in screened[len(todo):]:
@@ -642,10 +641,8 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     fastest that fits is kept (``loss_chunk`` and ``offload`` say which). Both features only
     add work (a recomputed head GEMM, copies), so where memory does not bind neither is used.
     The variants do not count against the search's budget of simulated actions (counting them
-    stops the search sooner, on layouts it would have found faster): ``Candidate.simulations``
-    says how many pipelines a layout took."""
+    stops the search sooner, on layouts it would have found faster)."""
     timed = _simulate_one(ev, c)
-    c.simulations += 1
     if not _binds(c):
         return timed
     chunked = ev.chunked
@@ -661,7 +658,6 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
         other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens if e is not ev else 0,
                           offload=f)
         t = _simulate_one(e, other)
-        c.simulations += 1
         if other.status == "feasible" and (best is None or other.time < best.time):
             best, best_timed = other, t
         if k == 0 and other.status != "feasible":

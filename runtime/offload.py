@@ -30,8 +30,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from autopar.passes import keys
+from autopar.passes.costs import view_base
 
 
 @dataclass
@@ -39,7 +41,6 @@ class _Storage:
     """One offloaded storage: its bytes in a host buffer (and, once brought back, on the device)."""
 
     buffer: torch.Tensor      # uint8 [nbytes] on the host
-    device: torch.device
     copied: object = None     # CUDA event: the copy out is done
     back: object = None       # the device storage it was brought back into
 
@@ -103,18 +104,10 @@ class HostPool:
         return storage._cdata in self._owned
 
 
-def _tensors(values) -> list[torch.Tensor]:
-    """The tensors among ``values`` and inside the tuples, lists and dicts among them (an op's
-    several results kept under one key, the env's outputs)."""
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, (tuple, list)):
-            out += _tensors(v)
-        elif isinstance(v, dict):
-            out += _tensors(list(v.values()))
-    return out
+def _tensors(value) -> list[torch.Tensor]:
+    """The tensors in ``value`` (a tensor, or tuples, lists and dicts of them: an op's several
+    results kept under one key, the env's outputs)."""
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def eligible_bytes(prog) -> dict[str, int]:
@@ -132,19 +125,11 @@ def eligible_bytes(prog) -> dict[str, int]:
     kept = prog.keys_after("F")
     out_sizes = {}
     for k, node in nodes.items():
-        leaves = _tensors([node.meta.get("val")]) if isinstance(node, fx.Node) else []
+        leaves = _tensors(node.meta.get("val")) if isinstance(node, fx.Node) else []
         if (k in kept and (keys.is_kind(k, keys.SAVED) or keys.is_kind(k, keys.INPUT)) and leaves
-                and any(t.is_floating_point() for t in leaves) and _base(node) not in state):
+                and any(t.is_floating_point() for t in leaves) and view_base(node) not in state):
             out_sizes[k] = sum(t.numel() * t.element_size() for t in leaves)
     return out_sizes
-
-
-def _base(node):
-    """The node a chain of view ops starts from (a view of a parameter is the parameter's)."""
-    while (isinstance(node, fx.Node) and node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-           and node.target.is_view and node.args and isinstance(node.args[0], fx.Node)):
-        node = node.args[0]
-    return node
 
 
 def choose(prog, fraction: float) -> frozenset[str]:
@@ -173,7 +158,7 @@ class ActivationOffload:
         self.parked: dict[tuple[int, int], dict[str, _Parked]] = {}
         self.ready: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # prefetched, copy back in flight
         self.offloaded_bytes = 0
-        self.skipped: set[str] = set()  # chosen keys whose tensor was a view of another's storage
+        self._state: set[int] = set()  # storage handles of the parameters and buffers, per step
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         # the distributed executor starts each copy back one action ahead (runtime/distributed.py
         # ``_prefetch_next``); on a CPU device, where copies are synchronous, that only moves
@@ -181,16 +166,24 @@ class ActivationOffload:
         self.prefetch_ahead = self._side is not None
         self._returns: list = []  # (event, host buffer): handed back to the pool once the copy back is done
 
-    @property
-    def active(self) -> bool:
-        return any(self.keys.values())
-
-    def begin_step(self) -> None:
+    def new_step(self, state: dict) -> None:
+        """Start a step: what the last one left parked (only a step that raised leaves any) is
+        dropped, and the storages of ``state`` (parameters, buffers) noted: never parked."""
+        boxes = {id(b): b for parked in self.parked.values() for p in parked.values() for b in _boxes(p)}
+        for box in boxes.values():
+            if box.back is None:
+                self.pool.give(box.buffer)
+        self.parked.clear()
+        self.ready.clear()
+        if self._side is not None:
+            self._side.synchronize()
+        self._recycle()
         self.offloaded_bytes = 0
+        self._state = {t.untyped_storage()._cdata for t in _tensors(list(state.values()))}
 
     # -- out -----------------------------------------------------------------------------------
 
-    def after_forward(self, s: int, k: int, env: dict, state: dict) -> None:
+    def after_forward(self, s: int, k: int, env: dict) -> None:
         """Park stage s's chosen values of microbatch k (right after its F). Values are parked by
         storage, each storage once; one that anything else still holds (another value of the
         env, the outputs on their way to the next stage, the data, the parameters) is not, nor
@@ -199,16 +192,15 @@ class ActivationOffload:
         if not chosen:
             return
         self._recycle()
-        leaves = {key: _tensors([env[key]]) for key in chosen if key in env}
-        held = {t.untyped_storage()._cdata for t in _tensors([v for key, v in env.items() if key not in leaves])}
-        held |= {t.untyped_storage()._cdata for t in _tensors(list(state.values()))}
+        leaves = {key: _tensors(env[key]) for key in chosen if key in env}
+        held = self._state | {t.untyped_storage()._cdata for t in _tensors([v for key, v in env.items()
+                                                                            if key not in leaves])}
         while True:  # a value with one held storage stays whole, and holds its other storages
             stay = [key for key, ts in leaves.items()
                     if any(t.untyped_storage()._cdata in held or t.device != self.device for t in ts)]
             if not stay:
                 break
             for key in stay:
-                self.skipped.add(key)
                 held |= {t.untyped_storage()._cdata for t in leaves.pop(key)}
         boxes: dict[int, _Storage] = {}
         parked = self.parked.setdefault((s, k), {})
@@ -223,7 +215,7 @@ class ActivationOffload:
     def _copy_out(self, st) -> _Storage:
         buf = self.pool.take(st.nbytes())
         src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(st)
-        box = _Storage(buf, self.device)
+        box = _Storage(buf)
         if self._side is None:
             buf.copy_(src)
             return box
@@ -300,15 +292,3 @@ class ActivationOffload:
             else:
                 keep.append((ev, buf))
         self._returns = keep
-
-    def end_step(self) -> None:
-        """Every microbatch's values came back (a step that raised may leave some: dropped)."""
-        boxes = {id(b): b for parked in self.parked.values() for p in parked.values() for b in _boxes(p)}
-        for box in boxes.values():
-            if box.back is None:
-                self.pool.give(box.buffer)
-        self.parked.clear()
-        self.ready.clear()
-        if self._side is not None:
-            self._side.synchronize()
-        self._recycle()

@@ -69,8 +69,7 @@ class StageWork:
         assert len(self._loss_scale) == n, (len(self._loss_scale), n)
         self._scale = {}
         if self.offload is not None:
-            self.offload.end_step()
-            self.offload.begin_step()
+            self.offload.new_step(self.state)
         for k, mb in enumerate(microbatches):
             for s, prog in self.programs.items():
                 self.envs[s, k] = {keys.data(name): mb[name] for name in prog.stage.data}
@@ -130,7 +129,7 @@ class StageWork:
         _release(env, keep)
         env["__outputs__"] = outputs  # until taken by the executor (hand-off or send)
         if train and self.offload is not None:
-            self.offload.after_forward(s, k, env, self.state)
+            self.offload.after_forward(s, k, env)
 
     def _input_grads(self, s: int, k: int, paused: bool):
         prog, env = self.programs[s], self.envs[s, k]
