@@ -7,7 +7,7 @@ from autopar.errors import CaptureError
 from autopar.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "MixedPrecision", "init_weights", "nn"]
+__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "MixedPrecision", "init_weights", "nn", "Muon"]
 
 
 def __getattr__(name):
@@ -20,6 +20,10 @@ def __getattr__(name):
         from autopar.precision import MixedPrecision
 
         return MixedPrecision
+    if name == "Muon":
+        from autopar.muon import Muon
+
+        return Muon
     if name == "init_weights":  # the eager reproduction of parallelize's initialization
         from autopar.runtime.materialize import init_weights
 

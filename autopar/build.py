@@ -99,6 +99,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     params = unique_params(model)
     trainable = {f for f, p in params.items() if p.requires_grad}
     options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
+    routes = route_optimizer(factory=optimizer, captured=captured, model=model, options=options)
     programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
     values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
                            owners=owners, device=input_device(inputs), buffers=buffers)
@@ -108,7 +109,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
                                        device=input_device(inputs), timeout=timeout, generated=generated,
                                        grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
                                        local_transfers=local_transfers)
-    opt = make_optimizer(factory=optimizer, owners=owners)
+    opt = make_optimizer(factory=optimizer, owners=owners, routes=routes)
     return Built(plan=plan, captured=captured, stages=stages, programs=programs, schedule=schedule,
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
@@ -451,10 +452,31 @@ def attach_offload(*, executor, plan: Plan, device) -> None:
              sorted(s for s, ks in chosen.items() if ks))
 
 
-def make_optimizer(*, factory, owners: dict):
+def route_optimizer(*, factory, captured, model: nn.Module, options: dict) -> dict | None:
+    """An optimizer factory that routes parameters from the graph (``autopar.Muon``): FQN ->
+    its Route, and each parameter's route put into ``options`` under the user's own
+    ``param_groups`` options (they win); None for other factories."""
+    if not callable(getattr(factory, "routes", None)):
+        return None
+    from autopar.muon import route_options
+
+    shapes = {f: tuple(p.shape) for f, p in unique_params(model).items()}
+    routes = factory.routes(captured, shapes)
+    for f, opts in route_options(routes).items():
+        options[f] = {**opts, **options.get(f, {})}
+    return routes
+
+
+def make_optimizer(*, factory, owners: dict, routes: dict | None = None):
     """The user's optimizer over what this process trains, wrapped for the ZeRO level and the
-    masters of mixed precision (None without a factory)."""
-    return None if factory is None else owners["dp"].make_optimizer(factory)
+    masters of mixed precision (None without a factory); ``routes``: the graph's routing of the
+    parameters, kept on the optimizer (``pm.optimizer.routes``, its repr prints them)."""
+    if factory is None:
+        return None
+    opt = owners["dp"].make_optimizer(factory)
+    if routes is not None:
+        getattr(opt, "inner", opt).routes = routes
+    return opt
 
 
 # -- helpers ----------------------------------------------------------------------------------

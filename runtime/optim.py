@@ -42,6 +42,9 @@ class WrappedOptimizer(torch.optim.Optimizer):
         """Bring the stepped values to where the programs read parameters (none to move: the
         masters are the optimizer's own parameters, cast by ``casts``)."""
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.inner!r})"
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 

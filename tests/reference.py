@@ -10,9 +10,11 @@ with dp = 1, buffers) to fp32 tolerance.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from typing import Any, Callable, Iterable, Optional
+from unittest import mock
 
 import torch
 import torch.nn as nn
@@ -359,3 +361,55 @@ def plain_moe(model: nn.Module) -> nn.Module:
             if isinstance(child, MoE):
                 setattr(mod, child_name, PlainMoE(child).to(next(child.parameters()).dtype))
     return ref
+
+
+class EagerMuonAdamW:
+    """The eager reference of ``autopar.Muon`` (design.md §5): ``torch.optim.Muon`` on the
+    parameter groups whose ``muon`` option is true, ``torch.optim.AdamW`` on the others, each
+    with the hyperparameters of an ``autopar.Muon`` factory (``spec``). Use it as
+    ``eager_reference(..., optimizer_factory=EagerMuonAdamW.factory(spec), param_groups=lambda
+    fqn, p: {"muon": routes[fqn].muon})``. A stack of matrices (experts ``[E, a, b]``) is
+    stepped as E matrices: each a 2-D leaf of its own that ``torch.optim.Muon`` steps (values
+    and gradients copied in before the step, values out after). ``spec.ns_dtype`` float32 runs
+    torch's Newton-Schulz in float32 (its ``bfloat16()`` cast made a copy): bfloat16 rounds
+    gradients that differ in their last fp32 bits apart (1e-3 after three steps between two
+    eager runs that only accumulate microbatches in another order), float32 does not."""
+
+    def __init__(self, groups, spec):
+        groups, self.spec = list(groups), spec
+        muon = [p for g in groups if g["muon"] for p in g["params"] if p.ndim == 2]
+        self.stacks = [(p, [torch.zeros(p.shape[-2:], dtype=p.dtype) for _ in range(p[..., 0, 0].numel())])
+                       for g in groups if g["muon"] for p in g["params"] if p.ndim > 2]
+        muon += [m for _, ms in self.stacks for m in ms]
+        other = [p for g in groups if not g["muon"] for p in g["params"]]
+        self.optimizers = []
+        if muon:
+            self.optimizers.append(torch.optim.Muon(muon, lr=spec.lr, weight_decay=spec.weight_decay,
+                                                    momentum=spec.momentum, nesterov=spec.nesterov,
+                                                    ns_steps=spec.ns_steps, adjust_lr_fn=spec.adjust_lr_fn))
+        if other:
+            self.optimizers.append(torch.optim.AdamW(other, lr=spec.adamw_lr, betas=spec.adamw_betas,
+                                                     eps=spec.adamw_eps, weight_decay=spec.adamw_weight_decay))
+
+    @classmethod
+    def factory(cls, spec):
+        return lambda groups: cls(groups, spec)
+
+    @torch.no_grad()
+    def step(self):
+        for p, ms in self.stacks:
+            for m, value, grad in zip(ms, p.reshape(-1, *p.shape[-2:]), p.grad.reshape(-1, *p.shape[-2:])):
+                m.copy_(value)
+                m.grad = grad.clone()
+        keep = self.spec.ns_dtype == torch.bfloat16
+        with contextlib.nullcontext() if keep else mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.clone):
+            for o in self.optimizers:
+                o.step()
+        for p, ms in self.stacks:
+            p.copy_(torch.stack(ms).view(p.shape))
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+        for p, _ in self.stacks:
+            p.grad = None
