@@ -64,11 +64,24 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     raise ValueError(f"autopar.Muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
 
 
-def ns_flops(shape, steps: int) -> int:
-    """Newton-Schulz FLOPs of one matrix of ``shape``: per iteration the Gram matrix (2 m² n),
-    its square (2 m³) and the product with x (2 m² n), m the short side."""
-    m, n = sorted(shape[-2:])
-    return steps * (4 * m * m * n + 2 * m ** 3)
+def shard_matrices(shapes, offsets, lo: int, n: int) -> list[tuple[int, tuple[int, int]]]:
+    """``muon_matrices`` of one flat shard: (offset in the shard, 2-D shape) of every matrix of
+    the parameters (``shapes`` at ``offsets`` in the flat vector) that lie in its elements
+    ``[lo, lo + n)``; an aligned layout (parallel/zero_layout.aligned_offsets) puts each
+    parameter wholly in one shard."""
+    out = []
+    for shape, o in zip(shapes, offsets):
+        size = math.prod(shape)
+        if lo <= o < lo + n and size:
+            assert o + size <= lo + n, (shape, o, lo, n)  # the layout keeps matrices whole
+            r, c = shape[-2:]
+            out += [(o - lo + k * r * c, (r, c)) for k in range(size // (r * c))]
+    return out
+
+
+def whole_matrices(options: dict) -> bool:
+    """Whether a parameter group with these options needs each matrix whole on one rank."""
+    return bool(options.get("muon"))
 
 
 def matrix_blocks(shape, rows: int) -> list[tuple[int, int]]:

@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from autopar.muon import whole_matrices
 from autopar.passes.zero_stream import stream_parameters
 from autopar.runtime import comms
 from autopar.runtime.grad_reduce import BucketedReducer, naive_all_reduce
@@ -134,7 +135,8 @@ class DataParallel(Parallelism):
         if self.zero >= 2:
             specs = [ParamSpec(f, tuple(params[f].shape)) for f in self.zeroed]
             self.layout = zero_layout(specs, self.zero, replicas, tied=set(mesh.tied_groups), option_of=self.option_of,
-                                      experts=sharded_experts, expert_replicas=self.expert_replicas)
+                                      experts=sharded_experts, expert_replicas=self.expert_replicas,
+                                      aligned={k for k, o in enumerate(self.option_sets) if whole_matrices(o)})
             kept = set(self.zeroed)
             streamed = {f for g in self.layout.groups if g.streamed for f in g.fqns}
 
@@ -429,9 +431,7 @@ class DataParallel(Parallelism):
                 flat_shard(g.fqns, g.shapes, g.offsets, g.master, g.replica * n, n)
         elif self.zero == 1 and self.optimizer is not None:
             for s in self.optimizer.sets:
-                shapes = [tuple(self.params[f].shape) for f in s.names]
-                offsets = [sum(math.prod(x) for x in shapes[:i]) for i in range(len(shapes))]
-                flat_shard(s.names, shapes, offsets, s.master, s.lo, s.shard)
+                flat_shard(s.names, s.shapes, s.offsets, s.master, s.lo, s.shard)
         else:
             for f in self.trained:
                 if f not in experts:

@@ -28,6 +28,7 @@ No torch here: the planner prices layouts of models it never materializes.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Collection, Sequence
@@ -67,6 +68,7 @@ class GroupSpec:
     options: int = 0       # index of the parameter-group option set its parameters share
     expert: bool = False   # expert-parallel shards, sharded over the expert-data-parallel group
     replicas: int = 1      # ranks the group is sharded over (dp*cp; dp*cp/ep for an expert group)
+    aligned: bool = False  # every parameter wholly inside one replica's shard (Muon: aligned_offsets)
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,38 @@ class ZeroLayout:
         return (self.padded + self.shard_numel) * 4
 
 
+def ns_flops(shape: Sequence[int], steps: int = 5) -> int:
+    """Newton-Schulz FLOPs of Muon on a parameter of ``shape`` (a matrix, or a stack of them
+    over the leading dims): per iteration and matrix the Gram matrix (2 m^2 n), its square
+    (2 m^3) and the product with the iterate (2 m^2 n), m the short side."""
+    m, n = sorted(shape[-2:])
+    return math.prod(shape[:-2]) * steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def aligned_offsets(shapes: Sequence[tuple[int, ...]], replicas: int) -> tuple[tuple[int, ...], int]:
+    """Offsets that put every parameter of ``shapes`` wholly inside one of ``replicas`` equal
+    shards, and the padded size (``replicas`` times the largest shard): parameters are dealt
+    largest Newton-Schulz cost first to the replica with the least cost so far (then the fewest
+    elements, then the lowest index), and keep their order within a replica. Muon needs every
+    matrix whole on the replica that steps it; the padding is the price (shards of whole
+    matrices are seldom equal)."""
+    numel = [math.prod(s) for s in shapes]
+    cost = [ns_flops(s) if len(s) >= 2 else n for s, n in zip(shapes, numel)]
+    load, size, owner = [0] * replicas, [0] * replicas, [0] * len(shapes)
+    for i in sorted(range(len(shapes)), key=lambda i: (-cost[i], i)):
+        r = min(range(replicas), key=lambda r: (load[r], size[r], r))
+        owner[i] = r
+        load[r] += cost[i]
+        size[r] += numel[i]
+    shard = max(size) if shapes else 0
+    offsets, used = [0] * len(shapes), [0] * replicas
+    for i in range(len(shapes)):
+        r = owner[i]
+        offsets[i] = r * shard + used[r]
+        used[r] += numel[i]
+    return tuple(offsets), shard * replicas
+
+
 def layer_group(fqn: str) -> str:
     """``layers.3.attn.wq.weight`` -> ``layers.3``; ``tok_emb.weight`` -> ``tok_emb``."""
     parts = fqn.split(".")
@@ -131,12 +165,13 @@ def layer_group(fqn: str) -> str:
 
 def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Collection[str] = (),
                 option_of: dict[str, int] | None = None, experts: Collection[str] = (),
-                expert_replicas: int = 1) -> ZeroLayout:
+                expert_replicas: int = 1, aligned: Collection[int] = ()) -> ZeroLayout:
     """The flat groups of ``params`` (one rank's trained parameters, model order; an expert
     shard with its local shape) for ZeRO level ``zero`` (2 or 3): dense parameters over
     ``replicas`` replicas (dp*cp), the FQNs in ``experts`` over ``expert_replicas`` (dp*cp/ep;
     left out when 1); ``tied``: FQNs held on several pipeline ranks (each alone in a group);
-    ``option_of``: FQN -> option-set index (default 0)."""
+    ``option_of``: FQN -> option-set index (default 0); ``aligned``: option-set indices whose
+    groups place every parameter wholly in one replica's shard (``aligned_offsets``)."""
     assert zero in (2, 3), zero
     assert replicas >= 1 and expert_replicas >= 1 and replicas % expert_replicas == 0, (replicas, expert_replicas)
     tied, option_of, experts = set(tied), option_of or {}, set(experts)
@@ -157,12 +192,15 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
     for (base, opt, expert), members in by_name.items():
         name = (f"{base}/experts" if expert else base) + ("" if opt == 0 else f"/{opt}")
         n = expert_replicas if expert else replicas
-        offsets, total = [], 0
-        for p in members:
-            offsets.append(total)
-            total += p.numel
+        total = sum(p.numel for p in members)
+        if opt in aligned:
+            offsets, padded = aligned_offsets([p.shape for p in members], n)
+        else:
+            offsets = tuple(itertools.accumulate((p.numel for p in members[:-1]), initial=0))
+            padded = -(-total // n) * n
         groups.append(GroupSpec(
             name=name, fqns=tuple(p.fqn for p in members), shapes=tuple(p.shape for p in members),
-            offsets=tuple(offsets), numel=total, padded=-(-total // n) * n,
-            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n))
+            offsets=tuple(offsets), numel=total, padded=padded,
+            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n,
+            aligned=opt in aligned))
     return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups), expert_replicas=expert_replicas)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.muon import shard_matrices, whole_matrices
 from autopar.parallel.zero_layout import ZeroLayout
 
 from . import comms
@@ -340,6 +341,11 @@ class ShardedOptimizer(WrappedOptimizer):
         self.sharded = sharded
         groups = [{"params": [g.master for g in sharded.groups if g.options == k], **opts}
                   for k, opts in enumerate(options)]
+        for k, group in enumerate(groups):
+            if whole_matrices(group):  # aligned groups: the matrices in this replica's shard of each
+                group["muon_matrices"] = [
+                    shard_matrices(g.shapes, g.offsets, g.replica * (g.padded // g.replicas), g.padded // g.replicas)
+                    for g in sharded.groups if g.options == k]
         super().__init__(optimizer_factory([g for g in groups if g["params"]] + list(others)), casts)
 
     def _after_step(self) -> None:

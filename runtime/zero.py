@@ -17,7 +17,13 @@ Elementwise optimizers (SGD, Adam, AdamW) give the same numbers as the unsharded
 """
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
+
+from autopar.muon import shard_matrices, whole_matrices
+from autopar.parallel.zero_layout import aligned_offsets
 
 from . import comms
 from .optim import WrappedOptimizer
@@ -25,13 +31,21 @@ from .optim import WrappedOptimizer
 
 class _FlatSet:
     """One option set's parameters as a flat vector and this replica's shard of it, sharded over
-    ``group`` (``dp`` ranks, this one ``dp_rank``; None: one rank)."""
+    ``group`` (``dp`` ranks, this one ``dp_rank``; None: one rank). ``aligned``: every parameter
+    wholly inside one replica's shard (Muon: parallel/zero_layout.aligned_offsets), else packed
+    one after the other."""
 
-    def __init__(self, names: list[str], params: dict, group, dp: int, dp_rank: int, initial: dict, device):
+    def __init__(self, names: list[str], params: dict, group, dp: int, dp_rank: int, initial: dict, device,
+                 aligned: bool = False):
         self.names, self.group, self.dp = names, group, dp
-        numel = sum(params[f].numel() for f in names)
-        self.shard = -(-numel // dp)  # ceil
-        self.total = self.shard * dp
+        self.shapes = [tuple(params[f].shape) for f in names]
+        if aligned:
+            self.offsets, self.total = aligned_offsets(self.shapes, dp)
+        else:
+            sizes = [math.prod(s) for s in self.shapes]
+            self.offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
+            self.total = -(-sum(sizes) // dp) * dp
+        self.shard = self.total // dp
         self.lo = dp_rank * self.shard
         self.device = device
         with torch.no_grad():
@@ -47,12 +61,13 @@ class _FlatSet:
 
     def flatten(self, tensors, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(self.total, dtype=dtype, device=self.device)
-        offset = 0
-        for t in tensors:
-            n = t.numel()
-            flat[offset: offset + n].copy_(t.reshape(-1))
-            offset += n
+        for o, t in zip(self.offsets, tensors):
+            flat[o: o + t.numel()].copy_(t.reshape(-1))
         return flat
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's value in ``flat`` (``total`` elements)."""
+        return [flat[o: o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
 
 
 class ZeroOneOptimizer(WrappedOptimizer):
@@ -72,9 +87,12 @@ class ZeroOneOptimizer(WrappedOptimizer):
         self.reduce_dtype = reduce_dtype
         device = device or (next(iter(params.values())).device if params else torch.device("cpu"))
         self.sets = [_FlatSet(list(entry[0]), params, *(entry[2] if len(entry) > 2 else (dp_group, dp, dp_rank)),
-                              initial or {}, device) for entry in sets]
-        groups = [{"params": [s.master], **entry[1]} for s, entry in zip(self.sets, sets)] + list(others)
-        super().__init__(optimizer_factory(groups), casts)
+                              initial or {}, device, aligned=whole_matrices(entry[1])) for entry in sets]
+        groups = [{"params": [s.master], **entry[1]} for s, entry in zip(self.sets, sets)]
+        for s, g in zip(self.sets, groups):
+            if whole_matrices(g):
+                g["muon_matrices"] = [shard_matrices(s.shapes, s.offsets, s.lo, s.shard)]
+        super().__init__(optimizer_factory(groups + list(others)), casts)
 
     @property
     def masters(self) -> list[torch.nn.Parameter]:
@@ -94,11 +112,7 @@ class ZeroOneOptimizer(WrappedOptimizer):
         for s in self.sets:
             full = torch.empty(s.total, dtype=torch.float32, device=s.device)
             s.gather(full)
-            offset = 0
-            for f in s.names:
-                n = self.params[f].numel()
-                out[f] = full[offset: offset + n].view(self.params[f].shape).clone()
-                offset += n
+            out.update({f: v.clone() for f, v in zip(s.names, s.views(full))})
         return out
 
     def reduce(self) -> None:
@@ -117,9 +131,5 @@ class ZeroOneOptimizer(WrappedOptimizer):
             s.master.grad = None
             full = torch.empty(s.total, dtype=torch.float32, device=s.device)
             s.gather(full)
-            offset = 0
-            for f in s.names:
-                p = self.params[f]
-                n = p.numel()
-                p.copy_(full[offset: offset + n].view_as(p))
-                offset += n
+            for f, v in zip(s.names, s.views(full)):
+                self.params[f].copy_(v)
