@@ -68,6 +68,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from autopar.muon import LAYOUT_OPTIONS
 from autopar.parallel.base import Shard
 
 log = logging.getLogger("autopar")
@@ -214,7 +215,8 @@ def save(pm, path: str) -> None:
     for h in _holdings(built, pm.model):
         s = h.shard
         if h.role == "value" and id(s.source) in group_of:
-            options[h.fqn] = {k: v for k, v in group_of[id(s.source)].items() if k != "params"}
+            options[h.fqn] = {k: v for k, v in group_of[id(s.source)].items()
+                              if k != "params" and k not in LAYOUT_OPTIONS}
         if h.role == "mirror" or not pp.is_owner(h.fqn):
             continue
         if h.role == "buffer" and mesh is not None and mesh.replica != 0:
@@ -488,7 +490,7 @@ def _apply_options(opt, holdings: list[_Held], blobs: dict, ranks: list[str]) ->
         names = [f for p in group["params"] for f in fqns.get(id(p), [])]
         options = next((saved[f] for f in names if f in saved), None)
         if options is not None:
-            group.update(options)
+            group.update({k: v for k, v in options.items() if k not in LAYOUT_OPTIONS})
 
 
 def _set_rng_state(state: dict) -> None:

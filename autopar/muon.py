@@ -79,6 +79,11 @@ def shard_matrices(shapes, offsets, lo: int, n: int) -> list[tuple[int, tuple[in
     return out
 
 
+# parameter-group options that describe where matrices lie in this plan's shards: a checkpoint
+# neither saves nor restores them (another plan lays its shards out anew)
+LAYOUT_OPTIONS = frozenset({"muon_matrices"})
+
+
 def whole_matrices(options: dict) -> bool:
     """Whether a parameter group with these options needs each matrix whole on one rank."""
     return bool(options.get("muon"))

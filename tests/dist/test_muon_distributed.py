@@ -96,6 +96,47 @@ def test_muon_distributed_matches_eager(world):
 
 
 @pytest.mark.parametrize("prefix", ["blocks", "blocks.0."], ids=["zero1 set", "zero2/3 layer group"])
+def _save_then_resume(rank, world, path):
+    """U4: 3 steps under dp=2 ZeRO-2, save; a fresh model under pp=2 loads it, 2 more steps."""
+    import autopar
+
+    case = _case("gpt")
+    pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_spec(),
+                             plan=autopar.Plan(**SAVE_PLAN), example_target=case.target, timeout=60)
+    losses = [pm.step(case.inputs, case.target) for _ in range(3)]
+    pm.save(path)
+    fresh = _case("gpt")
+    with torch.no_grad():
+        for p in fresh.model.parameters():
+            p.mul_(0.5)  # the load must replace every value
+    pm = autopar.parallelize(fresh.model, case.inputs, loss_fn=case.loss_fn, optimizer=_spec(),
+                             plan=autopar.Plan(**RESUME_PLAN), example_target=case.target, timeout=60)
+    pm.load(path)
+    losses += [pm.step(case.inputs, case.target) for _ in range(2)]
+    return {"losses": losses, "state": pm.state_dict()}
+
+
+SAVE_PLAN = dict(dp=2, num_microbatches=2, zero=2)
+RESUME_PLAN = dict(pp=2, schedule="1f1b", num_microbatches=4)  # the same 4 microbatches
+
+
+def test_checkpoint_zero2_to_pp2_matches_uninterrupted_eager(tmp_path):
+    from autopar.passes import capture
+    from autopar.passes.optimizer_routing import route_parameters
+    from tests.reference import EagerMuonAdamW, assert_close_state, eager_reference
+
+    per_rank = run_shared(_save_then_resume, 2, str(tmp_path / "ckpt"), deadline_s=300, reuse=False)
+    case = _case("gpt")
+    routes = route_parameters(capture(case.model, case.inputs, case.target, case.loss_fn))
+    ref_losses, ref_state = eager_reference(
+        case.model, case.inputs, case.target, case.loss_fn, EagerMuonAdamW.factory(_spec()), dp=2,
+        num_microbatches=2, steps=5, param_groups=lambda f, p: {"muon": routes[f].muon})
+    for res in per_rank:
+        for got, want in zip(res["losses"], ref_losses, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+        assert_close_state(res["state"], ref_state, rtol=1e-4, atol=1e-5)
+
+
 def test_aligned_layout_keeps_matrices_whole(prefix):
     """GPT-3-blocks' Muon matrices (the ZeRO-1 set of the world-2 run) and one block's (a
     ZeRO-2/3 layer group) over 2 replicas."""

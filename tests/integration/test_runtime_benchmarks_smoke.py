@@ -255,3 +255,22 @@ def test_memory_does_not_grow_with_microbatches():
         assert 12 * 2 * 32 * 32 * 4 / 2**20 > 0.05 * float(p4), out
     assert any(float(b) == pytest.approx(2 * 32 * 32 * 4 / 2**20, abs=1e-3) for *_x, b, _v in rows), out
     assert re.search(r"^A1: PASS$", out, re.M), out
+
+
+def test_muon_benchmark_counts_what_zero1_moves():
+    """U5 at a tiny size: every collective of a ZeRO-1 step at dp=2 is the gradients'
+    reduce-scatter (the whole flat vector, fp32) and the parameters' all-gather (the same), plus
+    one fp32 scalar per gradient-norm all-reduce: bytes = 8 x flat elements + 4 k, k small;
+    the ratio printed is the worse rank's ratio of the printed bytes."""
+    out = _run("muon.py", ["--layers", "3", "--d-model", "32", "--heads", "2", "--seq", "16", "--batch", "4",
+                           "--steps", "2"])
+    rows = re.findall(r"^(AdamW|Muon)\s+(\d)\s+(" + NUM + r")\s+([\d,]+)\s+([\d,]+)\s+([\d,]+)$", out, re.M)
+    assert len(rows) == 4, out
+    got = {}
+    for label, rank, _ms, sent, elements, padding in rows:
+        sent, elements = int(sent.replace(",", "")), int(elements.replace(",", ""))
+        assert 0 <= sent - 8 * elements <= 64 and (sent - 8 * elements) % 4 == 0, (label, sent, elements)
+        got[label, rank] = sent
+    ratio = float(re.search(r"bytes per step (" + NUM + r")x", out).group(1))
+    assert ratio == pytest.approx(max(got["Muon", r] / got["AdamW", r] for r in "01"), abs=5e-4)
+    assert ("PASS" in out) == (ratio <= 1.25)
