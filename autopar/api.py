@@ -227,7 +227,8 @@ class ParallelModel:
         from autopar.inspect import stage_table
 
         b = self._require_built("stage_table")
-        return stage_table(b.programs, b.schedule)
+        opt = b.optimizer
+        return stage_table(b.programs, b.schedule, routes=getattr(getattr(opt, "inner", opt), "routes", None))
 
     def dump(self, directory: str) -> list[str]:
         """Write every stage's F, I, W, B code as Python, each rank's step and a stage table;

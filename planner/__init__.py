@@ -16,7 +16,8 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
                n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None, precision=None,
                input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
-               hf_config: str | None = None, loss_chunking: bool = True, offloading: bool = True):
+               hf_config: str | None = None, loss_chunking: bool = True, offloading: bool = True,
+               optimizer: str = "adamw"):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
@@ -30,7 +31,9 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     stage-boundary ILP (default ``planner.ilp.DEFAULT_NODES``): every budget of the search counts
     work, so the answer is the same on every machine. ``loss_chunking``: where memory binds,
     also price the model's LM head + cross-entropy chunked (``Plan.loss_chunk_tokens``);
-    ``offloading``: and saved activations parked on the host (``Plan.offload``)."""
+    ``offloading``: and saved activations parked on the host (``Plan.offload``). ``optimizer``:
+    "adamw" or "muon" (``autopar.Muon``: one momentum per hidden-matrix element instead of Adam's
+    two, and Newton-Schulz on the matrices each rank steps)."""
     from .devices import current_profile
     from .profile import profile_model
     from .search import Request, plan
@@ -75,7 +78,7 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                   memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
                   exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
                   pin=tuple((pin or {}).items()), loss_chunking=loss_chunking,
-                  offloading=offloading, **kw)
+                  offloading=offloading, optimizer=optimizer, **kw)
     res = plan(prof, device, req, progress=progress)
     info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
             "units": len(prof.units)}

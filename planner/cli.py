@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-ep", action="store_true", help="do not search expert parallelism")
     p.add_argument("--no-loss-chunk", action="store_true",
                    help="never chunk the cross-entropy (by default it is chunked where memory binds)")
+    p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
+                   help="the optimizer to price: adamw, or muon (autopar.Muon: hidden matrices with one momentum "
+                        "and Newton-Schulz, the rest AdamW)")
     p.add_argument("--no-offload", action="store_true",
                    help="never offload activations to host memory (by default priced where memory binds)")
     p.add_argument("--max-zero", type=int, default=3, choices=(0, 1, 2, 3), help="highest ZeRO level to search")
@@ -182,7 +185,7 @@ def _run(args, say) -> int:
                            allow_cp=not args.no_cp, allow_ep=not args.no_ep,
                            zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
-                           offloading=not args.no_offload, **kwargs)
+                           offloading=not args.no_offload, optimizer=args.optimizer, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     from .report import text, to_json
 

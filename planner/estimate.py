@@ -325,6 +325,9 @@ class Estimate:
         return r, self.peak_memory[r] - self.memory_limit
 
 
+OPTIMIZERS = ("adamw", "muon")  # what the planner prices (--optimizer)
+
+
 @dataclass(frozen=True)
 class Precision:
     """Bytes per parameter element: weights, gradients (fp32 accumulation), optimizer states (Adam)."""
@@ -359,7 +362,10 @@ class Evaluator:
 
     def __init__(self, profile: ModelProfile, device, memory_limit: float, global_batch: int,
                  bucket_bytes: float = 25 * 2 ** 20, moe_imbalance: float = DEFAULT_MOE_IMBALANCE,
-                 loss_chunking: bool = True, offloading: bool = True):
+                 loss_chunking: bool = True, offloading: bool = True, optimizer: str = "adamw"):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"autopar plan: optimizer must be one of {OPTIMIZERS}, got {optimizer!r}")
+        self.optimizer = optimizer
         if not moe_imbalance >= 1.0:
             raise ValueError(f"moe_imbalance is the max/mean ratio of the rows an expert-parallel rank receives: "
                              f"it must be >= 1, got {moe_imbalance}")
@@ -389,7 +395,8 @@ class Evaluator:
             return None
         if self._chunked is None:
             self._chunked = Evaluator(self.profile.chunked, self.device, self.memory_limit, self.global_batch,
-                                      self.bucket_bytes, self.moe_imbalance, offloading=self.offloading)
+                                      self.bucket_bytes, self.moe_imbalance, offloading=self.offloading,
+                                      optimizer=self.optimizer)
         return self._chunked
 
     def expert_replicas(self, lay: Layout) -> int:
@@ -498,7 +505,28 @@ class Evaluator:
         n_exp = kind.expert_params / lay.ep
         n = kind.params - kind.expert_params
         return (sum(self.static_per_elem(lay.zero, lay.dp * lay.cp, kind.small_params / n if n else 0.0)) * n
-                + sum(self.static_per_elem(lay.zero, self.expert_replicas(lay))) * n_exp)
+                + sum(self.static_per_elem(lay.zero, self.expert_replicas(lay))) * n_exp
+                - self.muon_state_saving(kind, lay))
+
+    def muon_shards(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
+        """(elements, Newton-Schulz FLOPs) of ``kind``'s Muon matrices one rank steps (0 unless
+        ``optimizer == "muon"``): expert ones split by ep; under ZeRO >= 1 each replica steps
+        the matrices of its own shard (parallel/zero_layout.aligned_offsets: about 1/R of
+        them), under ZeRO-0 every replica steps them all."""
+        if self.optimizer != "muon":
+            return 0.0, 0.0
+        d, e = lay.dp * lay.cp, self.expert_replicas(lay)
+        gd = d if lay.zero >= 1 and d > 1 else 1
+        ge = e if lay.zero >= 1 and e > 1 else 1
+        dense = kind.muon_params - kind.muon_expert_params
+        experts = kind.muon_expert_params / lay.ep
+        flops = (kind.muon_flops - kind.muon_expert_flops) / gd + kind.muon_expert_flops / lay.ep / ge
+        return dense / gd + experts / ge, flops
+
+    def muon_state_saving(self, kind: UnitKind, lay: Layout) -> float:
+        """Optimizer bytes Muon saves on one rank against Adam for ``kind``: one fp32 momentum
+        per matrix element where Adam keeps two moments."""
+        return 4.0 * self.muon_shards(kind, lay)[0]
 
     def static_per_elem(self, zero: int, g: int, small: float = 0.0) -> tuple[float, float, float]:
         """(weight, gradient, optimizer) bytes per parameter element sharded over ``g`` replicas at
@@ -940,6 +968,7 @@ class Evaluator:
             if d > 1:
                 t += links["dp"].alpha_s
             o = self.optimizer_time(lay, n, tensors, n_e)
+            o += self.muon_time(lay, [k for s in stages for k in kinds[s]])
             finish.append(t + o)
             opt_of.append(o)
         r = max(range(lay.pp), key=finish.__getitem__)
@@ -981,6 +1010,19 @@ class Evaluator:
             shard = sharded if (lay.zero >= 1 and d > 1) else n
         moved = shard * (20 * 4 if p.weight == 4 else (p.weight + p.grad + p.optim) * 2)
         return moved / bw + self.device.op_overhead_s * tensors * 12
+
+    def muon_time(self, lay: Layout, kinds) -> float:
+        """What Muon adds to the optimizer step of a rank holding ``kinds`` over Adam's pricing of
+        the same elements (``optimizer_time``): Newton-Schulz on its matrices (bfloat16 GEMMs at
+        the device's matmul rate), less the elementwise traffic Muon does not make (momentum
+        and the Nesterov blend, 11 four-byte passes an element, against Adam's 20)."""
+        if self.optimizer != "muon":
+            return 0.0
+        n = flops = 0.0
+        for k in kinds:
+            kn, kf = self.muon_shards(k, lay)
+            n, flops = n + kn, flops + kf
+        return flops / self.device.flops_rate("bfloat16") - n * (20 - 11) * 4 / self.stream_bandwidth(lay)
 
     def stream_bandwidth(self, lay: Layout) -> float:
         """Bytes/s one rank streams through memory in the runtime's memory-bound work (gradient
@@ -1121,6 +1163,7 @@ class Evaluator:
         ``n``: parameter elements it holds (experts split by ep), ``n_exp`` of which experts."""
         p = self.precision
         d = lay.dp * lay.cp
+        muon = sum(self.muon_state_saving(k, lay) for k in kinds)
         zl, local = self._zero_layout(lay, part, s2r, rank)
         ew, eg, eo = (0.0, 0.0, 0.0) if local else self.static_per_elem(lay.zero, self.expert_replicas(lay))
         experts = {"weights": ew * n_exp, "gradients": eg * n_exp, "optimizer": eo * n_exp}
@@ -1132,7 +1175,7 @@ class Evaluator:
                 weights, optim = pb["whole parameters"], p.adam * zl.shard_numel + pb["master shards"]
             return {"weights": weights + experts["weights"],
                     "gradients": zl.gradient_bytes() + experts["gradients"],
-                    "optimizer": optim + experts["optimizer"], "zero-3 gather": pb.get("gather buffers", 0)}
+                    "optimizer": optim + experts["optimizer"] - muon, "zero-3 gather": pb.get("gather buffers", 0)}
         plain = n - n_exp
         if lay.zero >= 2 and d > 1:  # a profile without parameter names: per element, no padding
             row = {"weights": p.weight * (plain / d if lay.zero == 3 else plain),
@@ -1143,6 +1186,7 @@ class Evaluator:
             row = {"weights": p.weight * plain, "gradients": self.grad_per_param(lay) * plain,
                    "optimizer": self.optim_per_param(lay) * (plain / d if lay.zero >= 1 else plain),
                    "zero-3 gather": 0.0}
+        row["optimizer"] -= muon
         return {k: v + experts.get(k, 0.0) for k, v in row.items()}
 
 

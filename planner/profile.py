@@ -48,7 +48,7 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.parallel.zero_layout import ParamSpec
+from autopar.parallel.zero_layout import ParamSpec, ns_flops
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import view_base as _base
 
@@ -191,6 +191,13 @@ class UnitKind:
     loss_fixed_bytes: float = 0.0  # its weight gradient's [vocab, d] temporaries
     # of ``saved_bytes``, what only W reads (an activation offload keeps it on the host through I)
     saved_w_only: float = 0.0
+    # the parameters autopar.Muon steps (passes/optimizer_routing.py: the hidden matrices), their
+    # elements and one step's Newton-Schulz FLOPs (parallel/zero_layout.ns_flops), the expert
+    # weights' part of each apart (split by ep)
+    muon_params: int = 0
+    muon_expert_params: int = 0
+    muon_flops: float = 0.0
+    muon_expert_flops: float = 0.0
 
     def work(self, scale: float) -> float:
         """The transient working set at ``scale`` times the captured microbatch."""
@@ -646,7 +653,8 @@ class _UnitTimer:
             torch.set_num_threads(threads)
 
 
-def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None) -> UnitKind:
+def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None,
+               routes: dict | None = None) -> UnitKind:
     from autopar.passes import keys
     from autopar.passes.costs import value_bytes
 
@@ -678,6 +686,12 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     expert = sum(vals[n.name].numel() for n, fqn in zip(phs[:n_state], stage.params) if expert_names(fqn))
     small = sum(vals[n.name].numel() for n, fqn in zip(phs[:n_state], stage.params)
                 if vals[n.name].dim() < 2 and not expert_names(fqn))
+    muon = {"params": 0, "expert_params": 0, "flops": 0.0, "expert_flops": 0.0}
+    for n, fqn in zip(phs[:n_state], stage.params):
+        if routes is not None and fqn in routes and routes[fqn].muon:
+            part = "expert_" if expert_names(fqn) else ""
+            muon[part + "params"] += vals[n.name].numel()
+            muon[part + "flops"] += float(ns_flops(tuple(vals[n.name].shape)))
     in_bytes = float(stage.bytes_in)
     out_bytes = float(stage.bytes_out)
     attn = 0.0
@@ -706,7 +720,8 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     small_params=int(small),
                     param_bytes=int(pbytes),
                     expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
-                    work_bytes=max(b_peak, f_peak - f_end), measure=measure, saved_w_only=w_only)
+                    work_bytes=max(b_peak, f_peak - f_end), measure=measure, saved_w_only=w_only,
+                    **{"muon_" + k: v for k, v in muon.items()})
 
 
 def _units_of(captured):
@@ -761,6 +776,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     """
     from autopar.passes import expert_parallel, keys
     from autopar.passes.capture import capture
+    from autopar.passes.optimizer_routing import route_parameters
     from autopar.passes.program import StageProgram
     from autopar.passes.split_backward import stage_programs
 
@@ -782,6 +798,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops
         n_heads = attention_heads(captured.gm)
     cuts, labels, stages = _units_of(captured)
+    routes = route_parameters(captured)  # what autopar.Muon would step (priced under --optimizer muon)
     t1 = time.perf_counter()
     trainable = set(captured.params.values())
     kinds: dict[tuple, UnitKind] = {}
@@ -815,7 +832,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         sig = sigs[st.index]
         if isinstance(sp, StageProgram):
             kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
-                                    measure=timer.add(sp, st) if real else None)
+                                    measure=timer.add(sp, st) if real else None, routes=routes)
             routed = _routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
             if routed is not None:
                 k = kinds[sig]
@@ -908,4 +925,6 @@ def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is
     has_bias = len(m.head.args) > 2 and m.head.args[2] is not None
     fixed = 4 * w.numel() if has_bias else (w.numel() * w.element_size() if w.element_size() < 4 else 0)
     return replace(kind, loss_chunk_row_bytes=float(row), loss_chunk=chunk, loss_tokens=m.tokens,
+                   muon_params=plain.muon_params, muon_expert_params=plain.muon_expert_params,
+                   muon_flops=plain.muon_flops, muon_expert_flops=plain.muon_expert_flops,
                    loss_fixed_bytes=float(fixed)), chunk

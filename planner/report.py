@@ -253,6 +253,25 @@ def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
             f"I/W ({per_rank})"]
 
 
+def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:
+    """Muon's part of the plan (``--optimizer muon``): its matrices, the momentum bytes it saves
+    against Adam and the Newton-Schulz time, on the rank that steps the most."""
+    ev = res.evaluator
+    if ev.optimizer != "muon":
+        return []
+    prof, lay, est = ev.profile, c.layout, c.estimate
+    total = sum(u.kind.muon_params for u in prof.units)
+    kinds, s2r = ev.stage_kinds(est.partition), est.stage_to_rank
+    held = {r: [k for s in range(len(kinds)) if s2r[s] == r for k in kinds[s]] for r in sorted(set(s2r))}
+    worst = max(held, key=lambda r: sum(ev.muon_shards(k, lay)[1] for k in held[r]))
+    saved = sum(ev.muon_state_saving(k, lay) for k in held[worst])
+    flops = sum(ev.muon_shards(k, lay)[1] for k in held[worst])
+    share = total / max(prof.total_params, 1)
+    return [f"  optimizer: Muon on {total / 1e9:.3g}B hidden-matrix elements ({share:.0%}), "
+            f"AdamW on the rest; pp rank {worst}: {saved / GiB:.2f} GiB less optimizer state than Adam, Newton-Schulz "
+            f"{flops / 1e12:.3g} TFLOP ({flops / ev.device.flops_rate('bfloat16') * 1e3:.3g} ms) a step"]
+
+
 def _why_lost(c: Candidate) -> str:
     return c.reason or c.status
 
@@ -295,6 +314,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
           *loss_lines(res, c),
           *offload_lines(res, c),
+          *optimizer_lines(res, c),
           f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "
           f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
           f"bubble {est.bubble * 100:.1f}%", "", "stages"]

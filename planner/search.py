@@ -71,6 +71,7 @@ class Request:
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE  # max/mean rows an EP rank receives (dropless MoE)
     loss_chunking: bool = True          # price the chunked cross-entropy where memory binds (--no-loss-chunk)
     offloading: bool = True             # price activation offload where memory binds (--no-offload)
+    optimizer: str = "adamw"            # the optimizer priced: "adamw" or "muon" (--optimizer)
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0:
@@ -317,7 +318,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance,
-                   loss_chunking=req.loss_chunking, offloading=req.offloading)
+                   loss_chunking=req.loss_chunking, offloading=req.offloading, optimizer=req.optimizer)
     cands: list[Candidate] = []
     rejected: list[Candidate] = []
     rejected_seen = set()

@@ -114,6 +114,11 @@ def test_gpt_local_pp2_matches_eager_muon_adamw():
     pm = _check_against_eager(make_gpt(seed=1), autopar.Plan(pp=2, schedule="zbv", num_microbatches=4))
     text = repr(pm.optimizer)
     assert "blocks.0.attn.qkv.weight" in text and "embedding" in text and "muon" in text
+    table = pm.stage_table().splitlines()
+    assert table[0].split()[3] == "muon"
+    # 4 matrices a block, the 4 blocks over the 4 stages of pp=2 zbv (2 each), none elsewhere
+    counts = {int(line.split()[0]): int(line.split()[3]) for line in table[2:]}
+    assert sum(counts.values()) == 16, table
 
 
 def test_hf_llama_dp1_matches_eager_muon_adamw():

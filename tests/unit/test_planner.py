@@ -923,3 +923,43 @@ def test_planner_offloads_activations_where_memory_binds():
     without = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, offloading=False, **kw)).chosen
     assert without is None or (any(without.estimate.partition.recompute) and res.chosen.time < without.time)
     assert plan(prof, dev, Request(memory_limit=80e9, **kw)).chosen.offload == 0
+
+
+# ------------------------------------------------------------- Muon (issue 36 item 3)
+def test_muon_prices_one_momentum_and_newton_schulz(gpt_profile, mixtral_profile):
+    """``optimizer="muon"``: the units' Muon matrices are the blocks' 2-D weights (hand list of
+    examples/gpt: qkv [3d, d], proj [d, d], fc [4d, d], proj [d, 4d]; Mixtral: attention, and
+    every expert's w1/w2/w3, not the router); each keeps one fp32 momentum instead of Adam's two
+    (4 bytes less an element, sharded like the optimizer state), and the step adds
+    Newton-Schulz (5 x (4 m^2 n + 2 m^3) FLOPs a matrix, m <= n) at the bf16 matmul rate."""
+    d = 32
+    block = next(k for k in gpt_profile.kinds if k.kind.startswith("blocks"))
+    shapes = [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+    assert block.muon_params == sum(a * b for a, b in shapes)
+    assert block.muon_flops == sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    assert all(k.muon_params == 0 for k in gpt_profile.kinds if not k.kind.startswith("blocks"))  # embeddings, head
+    dev = get_profile("h100")
+    adam, muon = (Evaluator(gpt_profile, dev, 80e9, 8, optimizer=o) for o in ("adamw", "muon"))
+    for dp, zero in [(1, 0), (4, 0), (4, 1), (4, 2), (4, 3)]:
+        lay = Layout(1, dp, 1, 1, "1f1b", 1, 2, 1, zero)
+        g = dp if zero >= 1 else 1
+        assert adam.unit_static(block, lay) - muon.unit_static(block, lay) == pytest.approx(
+            4 * block.muon_params / g, rel=1e-12), (dp, zero)
+        assert muon.muon_time(lay, [block]) == pytest.approx(
+            block.muon_flops / g / dev.flops_rate("bfloat16")
+            - block.muon_params / g * 36 / muon.stream_bandwidth(lay), rel=1e-12)
+        assert adam.muon_time(lay, [block]) == 0.0
+    moe = next(k for k in mixtral_profile.kinds if k.expert_params)
+    assert moe.muon_expert_params == moe.expert_params            # every expert weight is a matrix
+    assert moe.params - moe.small_params - moe.muon_params > 0      # the router is not
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        Evaluator(gpt_profile, dev, 80e9, 8, optimizer="lion")
+
+
+def test_cli_optimizer_muon(capsys):
+    from autopar.planner.cli import main
+
+    assert main(["mixtral-8x7b", "--gpus", "64", "--device", "h100", "--global-batch", "128", "--seq", "1024",
+                 "--optimizer", "muon", "--pin", "pp=4,ep=8,zero=1"]) == 0
+    out = capsys.readouterr().out
+    assert "optimizer: Muon on" in out and "less optimizer state than Adam" in out
