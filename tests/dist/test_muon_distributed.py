@@ -24,7 +24,9 @@ MATRIX = {
         ("zero2", "gpt", dict(dp=2, num_microbatches=2, zero=2)),
         ("zero3", "gpt", dict(dp=2, num_microbatches=2, zero=3)),
         ("dp2 x ep2 mixtral", "mixtral", dict(dp=2, ep=2, num_microbatches=2, zero=1))],
-    4: [("pp2 x dp2 zbv zero1", "gpt", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4, zero=1))],
+    4: [("pp2 x dp2 zbv zero1", "gpt", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4, zero=1)),
+        # expert shards ZeRO-3-sharded over their 2-rank expert-data-parallel group, whole matrices each
+        ("dp4 x ep2 zero3 moe", "moe_ep", dict(dp=4, ep=2, num_microbatches=2, zero=3))],
 }
 
 
@@ -95,7 +97,6 @@ def test_muon_distributed_matches_eager(world):
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("prefix", ["blocks", "blocks.0."], ids=["zero1 set", "zero2/3 layer group"])
 def _save_then_resume(rank, world, path):
     """U4: 3 steps under dp=2 ZeRO-2, save; a fresh model under pp=2 loads it, 2 more steps."""
     import autopar
@@ -137,6 +138,7 @@ def test_checkpoint_zero2_to_pp2_matches_uninterrupted_eager(tmp_path):
         assert_close_state(res["state"], ref_state, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("prefix", ["blocks", "blocks.0."], ids=["zero1 set", "zero2/3 layer group"])
 def test_aligned_layout_keeps_matrices_whole(prefix):
     """GPT-3-blocks' Muon matrices (the ZeRO-1 set of the world-2 run) and one block's (a
     ZeRO-2/3 layer group) over 2 replicas."""
