@@ -80,7 +80,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     prediction = None
     if plan is None:
         plan, prediction = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
-                                       input_names=input_names,
+                                       input_names=input_names, optimizer=planned_optimizer(optimizer),
                                     precision=mixed_precision)
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
@@ -120,9 +120,18 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
 # -- the steps --------------------------------------------------------------------------------
 
 
+def planned_optimizer(factory) -> str:
+    """What the planner prices for an optimizer factory: "muon" for ``autopar.Muon``, else
+    "adamw" (Adam's two states an element: what every other torch optimizer keeps at most)."""
+    from autopar.muon import Muon
+
+    return "muon" if isinstance(factory, Muon) else "adamw"
+
+
 def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None,
-                world: int | None = None, input_names=None) -> tuple[Plan, dict]:
+                world: int | None = None, input_names=None, optimizer: str = "adamw") -> tuple[Plan, dict]:
     """Ask the planner for this world (``world``: its size, default the process group's);
+    ``optimizer``: what it prices ("adamw" or "muon", ``planned_optimizer``);
     rank 0 decides (device profiles are measured per process, so ranks could disagree) and
     broadcasts the plan."""
     rank = torch.distributed.get_rank() if distributed() else 0
@@ -150,7 +159,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
                                 input_names=input_names,
                                 n_experts=min((n for _f, n in blocks), default=0),
                                 expert_prefixes=tuple(expert_parameters(model)) if blocks else (),
-                                zero_levels=(0, 1, 2, 3), name=type(model).__name__,
+                                zero_levels=(0, 1, 2, 3), name=type(model).__name__, optimizer=optimizer,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
         priced: dict[tuple[int, int], list[str]] = {}
         for c in res.candidates:
