@@ -130,6 +130,7 @@ class ParallelModel:
             raise ValueError("autopar: step needs a target when a loss_fn was given")
         b = self.prepare(inputs, target)
         plan = b.plan
+        inputs, names = batches.with_shift_labels(inputs, names, self.model, self.loss_fn, plan.cp)
         n_total = plan.dp * b.num_microbatches * plan.cp  # a cp rank's local mean loss weighs 1/cp
         if train:
             b.parallelisms["dp"].zero_grads()

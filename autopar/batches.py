@@ -34,6 +34,30 @@ def as_inputs(inputs, names: tuple[str, ...] | None = None) -> tuple[tuple, tupl
     return tuple(inputs), None
 
 
+def with_shift_labels(inputs: tuple, names, model, loss_fn, cp: int) -> tuple[tuple, tuple[str, ...] | None]:
+    """Context parallelism and a causal LM's own loss from ``labels`` (``loss_fn=None``): the
+    model shifts the labels of its own shard, so the target of a shard's last token (the next
+    shard's first label) would be lost at every shard boundary. Give it ``shift_labels`` too:
+    the labels shifted over the whole sequence (-100 at its end), which transformers' causal-LM
+    loss (``ForCausalLMLoss``) and this repository's GPT use instead of shifting their shard.
+    The inputs unchanged otherwise (cp = 1, a loss_fn, no labels, an encoder-decoder, or
+    ``shift_labels`` already given); a ValueError when ``forward`` cannot take it."""
+    if cp <= 1 or loss_fn is not None or not names or "labels" not in names or "shift_labels" in names \
+            or getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return inputs, names
+    import inspect
+
+    params = inspect.signature(model.forward).parameters.values()
+    if not any(p.name == "shift_labels" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        raise ValueError(f"autopar: cp={cp} with the model's own loss from labels needs {type(model).__name__}.forward "
+                         "to take shift_labels (the labels shifted over the whole sequence: each sequence shard "
+                         "would otherwise lose the target of its last token); pass a loss_fn with targets "
+                         "aligned to the positions instead, or cp=1")
+    labels = inputs[list(names).index("labels")]
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    return tuple(inputs) + (shift,), tuple(names) + ("shift_labels",)
+
+
 def check_packed(batch: dict) -> None:
     """Refuse packed rows (``position_ids`` restarting inside a row) that also carry an all-ones
     ``attention_mask``: transformers derives the per-document mask from the positions only when
@@ -118,19 +142,28 @@ def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: boo
     microbatch holds (packed rows, padding). ``shifted``: the model predicts each label from the
     position before it (a causal LM: a row's first label is never used); False for an
     encoder-decoder, whose every label counts. None where the rule does not apply (another loss,
-    no labels, context parallelism, or no valid label at all): the loss is then scaled by
-    ``1 / (dp * m * cp)`` as before. ``batch="local"``: the total is summed over the dp
-    replicas (a collective: every rank calls this)."""
+    no labels, or no valid label at all): the loss is then scaled by ``1 / (dp * m * cp)`` as
+    before. Under context parallelism each cp rank's loss is the mean over the ``shift_labels``
+    of its sequence shard (``with_shift_labels``): its share is the valid ones of that shard.
+    ``batch="local"``: the total is summed over the dp replicas (a collective: every rank
+    calls this)."""
     plan, m, mb = built.plan, built.num_microbatches, built.microbatch_size
-    if loss_fn is not None or not names or "labels" not in names or plan.cp > 1:
+    if loss_fn is not None or not names or "labels" not in names:
         return None
-    labels = inputs[list(names).index("labels")]
-    if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
-        return None
-    used = labels[:, 1:] if shifted else labels
-    valid = (used != -100).reshape(labels.shape[0], -1).sum(dim=1).to(torch.float64)
+    names = list(names)
+    if plan.cp > 1:
+        if "shift_labels" not in names:
+            return None
+        used = inputs[names.index("shift_labels")]
+        mine = built.parallelisms["cp"].local(used)  # the targets of this rank's positions
+    else:
+        labels = inputs[names.index("labels")]
+        if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+            return None
+        used = mine = labels[:, 1:] if shifted else labels
+    valid = (mine != -100).reshape(used.shape[0], -1).sum(dim=1).to(torch.float64)
     per_mb = valid.view(-1, mb).sum(dim=1)  # every microbatch of the batch given, in order
-    total = per_mb.sum()
+    total = (used != -100).sum().to(torch.float64)
     if local and built.mesh is not None and plan.dp > 1:
         from autopar.runtime import comms
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn as nn
 
-from autopar import schedules
+from autopar import batches, schedules
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -85,6 +85,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
                                 precision=mixed_precision, init_fn=init_fn)
+    inputs, input_names = batches.with_shift_labels(inputs, input_names, model, loss_fn, plan.cp)
     buffers = recompute_buffers(model=model, seed=seed, init_fn=init_fn)
     mesh = make_mesh(plan=plan, timeout=timeout)
     owners = rewrite_module(model=model, plan=plan, mesh=mesh, inputs=inputs, target=target)

@@ -48,13 +48,17 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: ``[B, 1, T, T]`` bool (True: may attend), else causal."""
         b, t, d = x.shape
         q, k, v = self.qkv(x).split(d, dim=-1)
         q = q.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_head, self.head_dim).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         y = y.transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
 
@@ -77,14 +81,21 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         x = x + self.mlp(self.ln2(x))
         return x
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer; ``forward(idx[B, T] int64) -> logits[B, T, vocab]``."""
+    """Decoder-only transformer; ``forward(idx[B, T] int64) -> logits[B, T, vocab]``.
+
+    Packed documents (``autopar.data.pack``): ``forward(input_ids, position_ids=...)`` embeds
+    each token at its position in its document and lets it attend only to earlier tokens of
+    the same document (a new document starts at every position 0); with ``labels`` (aligned
+    with the tokens, -100 where none; shifted inside, as Hugging Face causal LMs do) it returns
+    the mean next-token cross-entropy over the valid labels (``shift_labels``: the targets of
+    every position, already shifted, as transformers' causal LMs take them)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -112,13 +123,31 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        b, t = input_ids.shape
+        mask = None
+        if position_ids is None:
+            pos = torch.arange(t, device=input_ids.device)
+        else:
+            pos = position_ids
+            doc = (position_ids == 0).cumsum(-1)  # the document of every token
+            # mask[b, q, k]: k <= q in q's document, written with index tensors as transformers'
+            # mask functions are (what context parallelism rebuilds over the whole sequence)
+            dev = input_ids.device
+            bi, qi, ki = (torch.arange(b, device=dev)[:, None, None], torch.arange(t, device=dev)[None, :, None],
+                          torch.arange(t, device=dev)[None, None, :])
+            mask = ((doc[bi, qi] == doc[bi, ki]) & (ki <= qi))[:, None]
+        x = self.wte(input_ids) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.ln_f(x))
+            x = block(x, mask)
+        logits = self.lm_head(self.ln_f(x))
+        if labels is None:
+            return logits
+        if shift_labels is not None:  # the targets of every position (context parallelism's shards)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), shift_labels.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
+                               ignore_index=-100)
 
 
 def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -69,7 +69,8 @@ def _separate(model, docs):
     model.zero_grad()
     total, count = 0.0, 0
     for d in docs:
-        logits = model(input_ids=d[None]).logits[0]
+        out = model(input_ids=d[None])
+        logits = getattr(out, "logits", out)[0]
         total = total + F.cross_entropy(logits[:-1].float(), d[1:], reduction="sum")
         count += d.numel() - 1
     loss = total / count
@@ -89,13 +90,27 @@ def test_packed_rows_equal_documents_run_separately(plan):
     per-microbatch means would differ from the mean over all real tokens."""
     from tests.hf_models import build_hf
 
+    _check_packed(build_hf("llama", seed=0, use_cache=False), plan)
+
+
+@pytest.mark.parametrize("plan", [dict(pp=1, num_microbatches=2), dict(pp=2, schedule="zbv", num_microbatches=4)],
+                         ids=["pp1-m2", "pp2-zbv"])
+def test_packed_rows_equal_documents_run_separately_gpt(plan):
+    """V1 on this repository's GPT: position_ids embed each token at its place in its document
+    and mask attention to the document; labels give its own loss."""
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    _check_packed(GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=2, d_model=32)), plan)
+
+
+def _check_packed(model, plan):
     g = torch.Generator().manual_seed(1)
     splits = [(10, 22), (17, 10, 5), (5, 7, 12, 8), (20, 9, 3)]
     docs = [torch.randint(1, 128, (n,), generator=g) for s in splits for n in s]
     batch = pack(docs, 32, rows=4)
     counts = sorted(int((row[1:] != -100).sum()) for row in batch["labels"])
     assert counts == [27, 29, 30, 30], counts  # best-fit decreasing's rows of these documents
-    model = build_hf("llama", seed=0, use_cache=False)
     ref = copy.deepcopy(model)
     want_loss, want_grads = _separate(ref, docs)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -121,3 +136,26 @@ def test_packed_rows_with_an_all_ones_mask_are_refused():
               "position_ids": torch.tensor([[1, 1, 0, 1], [0, 1, 2, 3]]),
               "attention_mask": torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])}
     as_inputs(padded)  # left padding (HF's positions for padded rows): the mask is not all ones there
+
+
+def test_shift_labels_for_context_parallel():
+    """cp > 1 and a causal LM's own loss: the labels shifted over the whole sequence are added
+    as shift_labels (the next shard's first label is the target of a shard's last token); a
+    forward that cannot take them is refused, naming the fix; nothing changes at cp = 1."""
+    from autopar.batches import with_shift_labels
+    from autopar.examples.gpt import GPT, GPTConfig
+
+    labels = torch.tensor([[-100, 5, 6, 7], [-100, 8, -100, 9]])
+    inputs, names = (torch.zeros(2, 4, dtype=torch.long), labels), ("input_ids", "labels")
+    gpt = GPT(GPTConfig(vocab_size=16, seq_len=4, n_layer=1, n_head=1, d_model=8))
+    got, got_names = with_shift_labels(inputs, names, gpt, None, 2)
+    assert got_names == ("input_ids", "labels", "shift_labels")
+    assert torch.equal(got[2], torch.tensor([[5, 6, 7, -100], [8, -100, 9, -100]]))
+    assert with_shift_labels(inputs, names, gpt, None, 1) == (inputs, names)
+
+    class NoShift(torch.nn.Module):
+        def forward(self, input_ids, labels):
+            return input_ids.float().mean()
+
+    with pytest.raises(ValueError, match="to take shift_labels"):
+        with_shift_labels(inputs, names, NoShift(), None, 2)
