@@ -21,16 +21,18 @@ it is:
 microbatches: design.md §5) carry about equal cost, ``cost(lengths) = a * tokens + b * sum(l^2)``
 (``row_cost``); ``pack(..., groups=g)`` applies it. ``collate(seq_len)`` is a
 ``torch.utils.data.DataLoader`` ``collate_fn`` (one rank's documents -> its packed batch, with
-``batch="local"`` under ``DistributedSampler``).
+``batch="local"`` under ``DistributedSampler``). ``packed_batches(stream, seq_len, rows)``
+cuts a stream of documents into batches of a fixed row count (static shapes, every step), each
+as full as best-fit decreasing packs it.
 """
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["pack", "balance", "row_cost", "collate"]
+__all__ = ["pack", "balance", "row_cost", "collate", "packed_batches"]
 
 IGNORE = -100
 
@@ -124,6 +126,29 @@ def pack(documents: Sequence[torch.Tensor], seq_len: int, *, pad_id: int = 0, ro
             labels[r, at + 1:at + n] = pieces[i][1:].long()
             at += n
     return {"input_ids": ids, "position_ids": pos, "labels": labels}
+
+
+def packed_batches(documents: Iterable[torch.Tensor], seq_len: int, rows: int, **kwargs) -> Iterator[dict]:
+    """Batches of exactly ``rows`` rows from a stream of documents: each takes documents in
+    stream order while best-fit decreasing still packs them into ``rows`` rows; the first that
+    does not fit starts the next batch. Nothing is dropped or reordered across batches: a
+    document longer than a row is cut into row-long pieces first (each then a document of its
+    own, as ``pack`` cuts it), and the pieces of a long one may continue in the next batch.
+    ``kwargs``: ``pack``'s (``groups`` = dp x microbatches to balance the rows, ``pad_id``,
+    ``a``, ``b``). The last batch may be partly padding."""
+    if rows < 1:
+        raise ValueError(f"autopar.data.packed_batches: rows must be positive, got {rows}")
+    held: list[torch.Tensor] = []
+    lengths: list[int] = []
+    for piece in (p for d in documents for p in _pieces([d], seq_len)):
+        n = int(piece.numel())
+        if held and len(_best_fit_decreasing(lengths + [n], seq_len)) > rows:
+            yield pack(held, seq_len, rows=rows, **kwargs)
+            held, lengths = [], []
+        held.append(piece)
+        lengths.append(n)
+    if held:
+        yield pack(held, seq_len, rows=rows, **kwargs)
 
 
 def collate(seq_len: int, **kwargs):

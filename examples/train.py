@@ -12,11 +12,13 @@ parallel replica its own slice of a synthetic token stream through a ``DataLoade
 biases), a linear warmup then cosine schedule, gradient clipping, a held-out evaluation every
 ``--eval-every`` steps, a checkpoint every ``--save-every`` steps (``pm.save``; resumed with
 ``--resume``), and one metrics line every ``--log-every`` steps on rank 0. Without torchrun it
-runs in one process (local mode: every pipeline rank in turn).
+runs in one process (local mode: every pipeline rank in turn). ``--packed``: documents of
+varying length packed into the rows (``autopar.data``), see ``main_packed``.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 
@@ -25,6 +27,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import autopar
+import autopar.data
 from autopar.examples.gpt import GPT, GPTConfig, gpt_loss
 
 
@@ -44,6 +47,19 @@ class Tokens(Dataset):
 
     def __getitem__(self, i):
         return self.data[i, :-1], self.data[i, 1:]
+
+
+def documents(seq: int, vocab: int, seed: int):
+    """An endless deterministic stream of documents of log-normal lengths (median seq / 4, some
+    longer than a row), each a repeating pattern from its own start plus noise, so the loss goes
+    down (``--packed``)."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        n = max(2, int(torch.empty(()).log_normal_(math.log(seq / 4), 1.0, generator=g)))
+        start = int(torch.randint(0, vocab, (), generator=g))
+        tokens = (start + torch.arange(n) % 17) % vocab
+        noise = torch.randint(0, vocab, (n,), generator=g)
+        yield torch.where(torch.rand(n, generator=g) < 0.8, tokens, noise)
 
 
 def no_decay(fqn: str, p: torch.nn.Parameter) -> dict:
@@ -85,7 +101,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", default=None, help="initial weights (safetensors file or HF-style directory)")
     ap.add_argument("--out", default="runs/gpt", help="checkpoint directory")
     ap.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    ap.add_argument("--packed", action="store_true",
+                    help="train on documents of varying length packed into the rows (autopar.data), the model's own "
+                         "loss over every real token")
     args = ap.parse_args(argv)
+    if args.packed:
+        return main_packed(args)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if "RANK" in os.environ and not dist.is_initialized():
@@ -148,10 +169,67 @@ def main(argv=None) -> dict:
     return {"losses": losses, "evals": evals, "steps": pm.step_count, "lr": pm.optimizer.param_groups[0]["lr"]}
 
 
+def main_packed(args) -> dict:
+    """``--packed``: every step's global batch is ``--batch`` rows of ``--seq`` tokens packed from a
+    document stream (``autopar.data.packed_batches``: best-fit decreasing, rows balanced over the
+    dp x microbatch slices); the model takes ``input_ids``, ``position_ids`` (each document
+    attends to itself only) and ``labels`` and returns its loss, the mean over every real token of
+    the global batch (``loss_fn=None``). Every process builds the same stream and passes the
+    global batch; resuming skips the batches already trained on."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    pp = args.pp or world // args.dp
+    plan = autopar.Plan(pp=pp, dp=args.dp, schedule=args.schedule, num_microbatches=args.microbatches,
+                        zero=args.zero)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    groups = args.dp * args.microbatches
+    stream = autopar.data.packed_batches(documents(args.seq, args.vocab, seed=0), args.seq, args.batch, groups=groups)
+    held_out = next(autopar.data.packed_batches(documents(args.seq, args.vocab, seed=1), args.seq, args.batch,
+                                                groups=groups))
+    first = next(stream)
+    pm = autopar.parallelize(
+        model, first, loss_fn=None, optimizer=lambda g: torch.optim.AdamW(g, lr=args.lr, weight_decay=0.1), plan=plan,
+        param_groups=no_decay, max_grad_norm=args.max_grad_norm, log_every=args.log_every, weights=args.weights,
+        mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16) if args.bf16 else None)
+    latest = os.path.join(args.out, "latest")
+    if args.resume and os.path.exists(latest):
+        with open(latest) as fh:
+            pm.load(os.path.join(args.out, fh.read().strip()))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, warmup_cosine(args.warmup, args.steps),
+                                                  last_epoch=pm.step_count - 1)
+    batches = itertools.chain([first], stream)  # step k trains on the k-th batch
+    for _ in range(pm.step_count):  # resumed: the batches already trained on
+        next(batches)
+    losses, evals, real = [], [], []
+    stop = min(args.steps, args.stop_at or args.steps)
+    while pm.step_count < stop:
+        batch = next(batches)
+        real.append(float((batch["labels"] != -100).float().mean()))
+        losses.append(float(pm.step(batch, None)))
+        scheduler.step()
+        if pm.step_count % args.eval_every == 0:
+            evals.append(float(pm.evaluate(held_out, None)))
+        if pm.step_count % args.save_every == 0:
+            name = f"step{pm.step_count:06d}"
+            pm.save(os.path.join(args.out, name))
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                with open(latest + ".tmp", "w") as fh:
+                    fh.write(name)
+                os.replace(latest + ".tmp", latest)
+    return {"losses": losses, "evals": evals, "steps": pm.step_count, "lr": pm.optimizer.param_groups[0]["lr"],
+            "real_fraction": real}
+
+
 if __name__ == "__main__":
     result = main()
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"trained to step {result['steps']}: last loss {result['losses'][-1]:.4f}, "
-              f"held-out losses {[round(v, 4) for v in result['evals']]}")
+              f"held-out losses {[round(v, 4) for v in result['evals']]}"
+              + (f", {sum(result['real_fraction']) / len(result['real_fraction']):.0%} of the slots real tokens"
+                 if result.get("real_fraction") else ""))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -159,3 +159,35 @@ def test_shift_labels_for_context_parallel():
 
     with pytest.raises(ValueError, match="to take shift_labels"):
         with_shift_labels(inputs, names, NoShift(), None, 2)
+
+
+def test_packed_batches_lose_nothing_and_fill_greedily():
+    """A stream cut into batches of exactly `rows` rows: every document piece appears once, in
+    stream order across batches (a long document's pieces may span two); each batch's next piece
+    would not have fit (best-fit decreasing over the batch's pieces plus it needs more rows)."""
+    from autopar.data import packed_batches
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [int(x) for x in torch.randint(1, 40, (60,), generator=g)] + [70]  # one longer than 2 rows
+    docs = [torch.randint(1, 100, (n,), generator=g) for n in lengths]
+    out = list(packed_batches(iter(docs), 16, 3))
+    pieces = [p for d in docs for p in d.split(16)]
+    seen = []
+    for batch in out:
+        assert batch["input_ids"].shape == (3, 16)
+        got = []
+        for r in range(3):
+            row, pos = batch["input_ids"][r], batch["position_ids"][r]
+            starts = [c for c in range(16) if pos[c] == 0] + [16]
+            for a, b in zip(starts, starts[1:]):
+                if batch["labels"][r, a + 1:b].ne(-100).any() or b - a == 1 and row[a] != 0:
+                    got.append(row[a:b])
+        seen.append(got)
+    flat = [p for got in seen for p in got]
+    assert sorted(tuple(p.tolist()) for p in flat) == sorted(tuple(p.tolist()) for p in pieces)
+    # greedy: the first piece of each next batch did not fit in the batch before it
+    k = 0
+    for got in seen[:-1]:
+        k += len(got)
+        before = [int(p.numel()) for p in pieces[k - len(got):k]]
+        assert len(_best_fit_decreasing(before + [int(pieces[k].numel())], 16)) > 3
