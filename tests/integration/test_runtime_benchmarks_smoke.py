@@ -274,3 +274,29 @@ def test_muon_benchmark_counts_what_zero1_moves():
     ratio = float(re.search(r"bytes per step (" + NUM + r")x", out).group(1))
     assert ratio == pytest.approx(max(got["Muon", r] / got["AdamW", r] for r in "01"), abs=5e-4)
     assert ("PASS" in out) == (ratio <= 1.25)
+
+
+def test_packing_benchmark_counts_real_tokens():
+    """V3 at a tiny size: the padded batches' real tokens are each piece's length - 1 (its first
+    token predicts nothing), counted here from the document stream; packed steps hold more; the
+    ratio printed is the worse rank's ratio of the printed rates."""
+    import itertools
+
+    from benchmarks.packing import documents
+
+    seq, rows, steps = 64, 4, 3
+    out = _run("packing.py", ["--layers", "1", "--d-model", "32", "--heads", "2", "--seq", str(seq),
+                              "--batch", str(rows), "--steps", str(steps)])
+    got = {(m.group(1), m.group(2)): (float(m.group(4)), float(m.group(6))) for m in re.finditer(
+        r"^(packed|padded)\s+(\d)\s+(" + NUM + r")\s+(" + NUM + r")\s+(" + NUM + r")\s+(" + NUM + r")$", out, re.M)}
+    assert len(got) == 4, out
+    pieces = itertools.islice((p for d in documents(seq) for p in d.split(seq)), rows * steps)
+    per_step = [0] * steps
+    for i, p in enumerate(pieces):
+        per_step[i // rows] += p.numel() - 1
+    assert got["padded", "0"][0] == pytest.approx(statistics.mean(per_step[1:]), abs=0.051)
+    assert got["packed", "0"][0] > got["padded", "0"][0]
+    ratio = float(re.search(r"per second (" + NUM + r")x", out).group(1))
+    want = min(got["packed", r][1] / got["padded", r][1] for r in "01")
+    assert ratio == pytest.approx(want, rel=0.01)
+    assert ("PASS" in out) == (ratio > 1.5)
