@@ -139,8 +139,9 @@ class ParallelModel:
         total = None
         local = self.batch == "local"
         shifted = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
-        scales = batches.label_scales(b, inputs, names, self.loss_fn, local, shifted)
-        for r, mbs in enumerate(batches.microbatches(b, inputs, target, local=local)):
+        replicas = list(batches.microbatches(b, inputs, target, local=local))  # checks every tensor first
+        scales = batches.label_scales(b, inputs, names, self.loss_fn, local, shifted, target)
+        for r, mbs in enumerate(replicas):
             loss = b.executor.run(mbs, scales[r] if scales is not None else 1.0 / n_total, train=train)
             total = loss if total is None else total + loss
         if not train:

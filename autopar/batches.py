@@ -133,37 +133,45 @@ def microbatches(built, inputs: tuple, target, local: bool) -> list[list[dict]]:
     return out
 
 
-def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: bool = True) -> list[list[float]] | None:
-    """Design.md §5 loss normalization, for a model's own loss from ``labels`` in a dict batch
-    (``loss_fn=None``; transformers' causal LMs: a mean over the labels that are not -100, each
-    predicted from the position before it): per replica this process runs, per microbatch,
-    ``valid labels of the microbatch / valid labels of the whole global batch``, so the step's
-    loss and gradient are one mean over every real token of the global batch, whatever each
-    microbatch holds (packed rows, padding). ``shifted``: the model predicts each label from the
-    position before it (a causal LM: a row's first label is never used); False for an
-    encoder-decoder, whose every label counts. None where the rule does not apply (another loss,
-    no labels, or no valid label at all): the loss is then scaled by ``1 / (dp * m * cp)`` as
-    before. Under context parallelism each cp rank's loss is the mean over the ``shift_labels``
-    of its sequence shard (``with_shift_labels``): its share is the valid ones of that shard.
-    ``batch="local"``: the total is summed over the dp replicas (a collective: every rank
-    calls this)."""
+def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: bool = True,
+                 target=None) -> list[list[float]] | None:
+    """Design.md §5 loss normalization, for the losses that are a mean over valid labels: a
+    model's own loss from ``labels`` in a dict batch (``loss_fn=None``; transformers' causal
+    LMs: a mean over the labels that are not -100, each predicted from the position before it),
+    and a ``loss_fn`` whose captured loss is a token-mean cross-entropy of the target
+    (``built.target_ignore_index``, passes/token_loss.py). Per replica this process runs, per
+    microbatch, ``valid labels of the microbatch / valid labels of the whole global batch``, so
+    the step's loss and gradient are one mean over every real token of the global batch,
+    whatever each microbatch holds (packed rows, padding). ``shifted``: the model predicts each
+    label from the position before it (a causal LM: a row's first label is never used); False
+    for an encoder-decoder, whose every label counts. None where the rule does not apply
+    (another loss, no labels or target, or no valid label at all): the loss is then scaled by
+    ``1 / (dp * m * cp)`` as before. Under context parallelism each cp rank's loss is the mean
+    over the targets of its sequence shard (``shift_labels``, ``with_shift_labels``; a target
+    cut like the inputs): its share is the valid ones of that shard. ``batch="local"``: the
+    total is summed over the dp replicas (a collective: every rank calls this)."""
     plan, m, mb = built.plan, built.num_microbatches, built.microbatch_size
-    if loss_fn is not None or not names or "labels" not in names:
-        return None
-    names = list(names)
-    if plan.cp > 1:
-        if "shift_labels" not in names:
+    if loss_fn is not None:
+        if built.target_ignore_index is None or not isinstance(target, torch.Tensor) or target.dim() < 1:
             return None
-        used = inputs[names.index("shift_labels")]
-        mine = built.parallelisms["cp"].local(used)  # the targets of this rank's positions
+        used, ignore = target, built.target_ignore_index
     else:
-        labels = inputs[names.index("labels")]
-        if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+        if not names or "labels" not in names:
             return None
-        used = mine = labels[:, 1:] if shifted else labels
-    valid = (mine != -100).reshape(used.shape[0], -1).sum(dim=1).to(torch.float64)
+        names, ignore = list(names), -100
+        if plan.cp > 1:
+            if "shift_labels" not in names:
+                return None
+            used = inputs[names.index("shift_labels")]
+        else:
+            labels = inputs[names.index("labels")]
+            if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+                return None
+            used = labels[:, 1:] if shifted else labels
+    mine = built.parallelisms["cp"].local(used) if plan.cp > 1 else used  # the targets of this rank's positions
+    valid = (mine != ignore).reshape(used.shape[0], -1).sum(dim=1).to(torch.float64)
     per_mb = valid.view(-1, mb).sum(dim=1)  # every microbatch of the batch given, in order
-    total = (used != -100).sum().to(torch.float64)
+    total = (used != ignore).sum().to(torch.float64)
     if local and built.mesh is not None and plan.dp > 1:
         from autopar.runtime import comms
 

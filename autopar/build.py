@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from autopar import batches, schedules
+from autopar.passes.token_loss import ignore_index_of
 from autopar.plan import Plan
 
 log = logging.getLogger("autopar")
@@ -63,6 +64,9 @@ class Built:
     device: torch.device = torch.device("cpu")
     checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
     moe_keys: tuple = ()           # dispatch keys of its dropless experts modules (moe_dispatch states, stats)
+    # the loss is a token mean of the target ignoring this index (passes/token_loss.py): the
+    # step is normalized by the valid target entries of the global batch; None otherwise
+    target_ignore_index: int | None = None
 
     @property
     def num_microbatches(self) -> int:
@@ -115,7 +119,8 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
                  optimizer=opt, prediction=prediction, checkpoint=checkpoint[0] if checkpoint else None,
-                 device=input_device(inputs), moe_keys=moe_keys(model))
+                 device=input_device(inputs), moe_keys=moe_keys(model),
+                 target_ignore_index=ignore_index_of(captured) if loss_fn is not None else None)
 
 
 # -- the steps --------------------------------------------------------------------------------
