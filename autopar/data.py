@@ -32,7 +32,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["pack", "balance", "row_cost", "collate", "packed_batches"]
+__all__ = ["pack", "balance", "row_cost", "collate", "packed_batches", "packing_stats"]
 
 IGNORE = -100
 
@@ -149,6 +149,24 @@ def packed_batches(documents: Iterable[torch.Tensor], seq_len: int, rows: int, *
         lengths.append(n)
     if held:
         yield pack(held, seq_len, rows=rows, **kwargs)
+
+
+def packing_stats(lengths: Sequence[int], seq_len: int) -> dict:
+    """What packing documents of these lengths into rows of ``seq_len`` gives (``pack``'s
+    placement, no tokens needed): ``documents``, ``tokens``, ``rows``, ``fill`` (real tokens over
+    the rows' slots) and ``attention_share``: the query-key pairs within documents over those of
+    full rows (sum of l^2 over rows x seq_len^2; what a kernel that skips other documents' blocks
+    computes, where a dense mask computes every pair)."""
+    bad = [n for n in lengths if int(n) != n or n < 1]
+    if bad or seq_len < 1:
+        raise ValueError(f"autopar.data.packing_stats: lengths must be positive integers and seq_len >= 1, got "
+                         f"{bad[:3] or seq_len}")
+    pieces = [min(seq_len, int(n) - k) for n in lengths for k in range(0, int(n), seq_len)]
+    rows = len(_best_fit_decreasing(pieces, seq_len)) if pieces else 0
+    tokens = sum(pieces)
+    return {"documents": len(lengths), "tokens": tokens, "rows": rows,
+            "fill": tokens / (rows * seq_len) if rows else 0.0,
+            "attention_share": sum(n * n for n in pieces) / (rows * seq_len ** 2) if rows else 0.0}
 
 
 def collate(seq_len: int, **kwargs):

@@ -65,8 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
                    help="max/mean ratio of the routed rows an expert-parallel rank receives in a dropless MoE "
                         "(default 1.25, the capacity factor Switch Transformers and GShard train with); prices the "
                         "worst rank's all-to-all, expert compute and saved rows")
+    p.add_argument("--lengths", default=None, metavar="FILE",
+                   help="document lengths in tokens, one a line: packed into rows of --seq (autopar.data), the "
+                        "report gives the fill and tokens/s of real tokens")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p
+
+
+def read_lengths(path: str, seq_len: int) -> dict:
+    """``--lengths FILE``: one positive integer a line (blank lines and ``#`` comments skipped),
+    packed into rows of ``seq_len`` (autopar.data.packing_stats)."""
+    from autopar.data import packing_stats
+
+    lengths = []
+    with open(path) as fh:
+        for i, line in enumerate(fh, start=1):
+            text = line.split("#", 1)[0].strip()
+            if not text:
+                continue
+            if not text.isdigit() or int(text) < 1:
+                raise ValueError(f"--lengths {path} line {i}: {text!r} is not a positive integer (one document "
+                                 "length in tokens a line)")
+            lengths.append(int(text))
+    if not lengths:
+        raise ValueError(f"--lengths {path}: no lengths in the file (one document length in tokens a line)")
+    return {"file": path, "seq_len": seq_len, **packing_stats(lengths, seq_len)}
 
 
 def load_factory(spec: str):
@@ -187,6 +210,8 @@ def _run(args, say) -> int:
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
                            offloading=not args.no_offload, optimizer=args.optimizer, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
+    if args.lengths is not None:
+        info["packed"] = read_lengths(args.lengths, res.evaluator.profile.seq_len or seq)
     from .report import text, to_json
 
     if args.json:

@@ -88,6 +88,8 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
         out["stage_boundaries"] = [[r["first"], r["last"]] for r in rows]
         out["stage_units"] = [r["units"] for r in rows]
         out["stage_to_rank"] = list(est.stage_to_rank)
+        if profile_info.get("packed"):
+            out["real_tokens_per_s"] = real_tokens_per_s(profile_info["packed"], c)
         out["recompute_stages"] = [r["stage"] for r in rows if r["recompute"]]
         from .search import plan_moe_imbalance
 
@@ -272,6 +274,21 @@ def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:
             f"{flops / 1e12:.3g} TFLOP ({flops / ev.device.flops_rate('bfloat16') * 1e3:.3g} ms) a step"]
 
 
+def packed_lines(profile_info: dict, c: Candidate) -> list[str]:
+    """``--lengths``: the documents packed into the plan's rows and the real tokens per second."""
+    p = profile_info.get("packed")
+    if not p:
+        return []
+    return [f"  packed documents ({p['file']}): {p['documents']:,} documents, {p['tokens']:,} tokens in "
+            f"{p['rows']:,} rows of {p['seq_len']}: {p['fill']:.1%} real tokens, {real_tokens_per_s(p, c):,.0f} "
+            f"real tokens/s; attention within documents is {p['attention_share']:.1%} of full rows' pairs (priced "
+            "at full rows: a dense document mask computes every pair)"]
+
+
+def real_tokens_per_s(packed: dict, c: Candidate) -> float:
+    return c.estimate.tokens_per_s * packed["fill"]
+
+
 def _why_lost(c: Candidate) -> str:
     return c.reason or c.status
 
@@ -315,6 +332,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           *loss_lines(res, c),
           *offload_lines(res, c),
           *optimizer_lines(res, c),
+          *packed_lines(profile_info, c),
           f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "
           f"optimizer {est.optimizer_s:.3g})  tokens/s {est.tokens_per_s:,.0f}  MFU {est.mfu * 100:.1f}%  "
           f"bubble {est.bubble * 100:.1f}%", "", "stages"]

@@ -963,3 +963,27 @@ def test_cli_optimizer_muon(capsys):
                  "--optimizer", "muon", "--pin", "pp=4,ep=8,zero=1"]) == 0
     out = capsys.readouterr().out
     assert "optimizer: Muon on" in out and "less optimizer state than Adam" in out
+
+
+def test_cli_lengths_reports_real_tokens(capsys, tmp_path):
+    """Issue 37 item 4: ``--lengths FILE``: documents of 3/4 of a row (one a row: fill 0.75, pairs
+    within documents (3/4)^2 of full rows') and a pair that shares a row; real tokens/s is the
+    plan's tokens/s times the fill (hand values)."""
+    seq = 32  # make_gpt's default sequence length
+    lengths = [24] * 6 + [20, 12]  # six rows of one document, one row of two
+    path = tmp_path / "lengths.txt"
+    path.write_text("# document lengths\n" + "\n".join(map(str, lengths)) + "\n\n")
+    args = ["--model", "autopar.examples.gpt:make_gpt", "--gpus", "2", "--global-batch", "16", "--device", "h100",
+            "--quiet", "--lengths", str(path)]
+    assert plan_main(args + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    p = data["packed"]
+    assert (p["documents"], p["tokens"], p["rows"]) == (8, 176, 7)
+    assert p["fill"] == pytest.approx(176 / (7 * seq))
+    assert p["attention_share"] == pytest.approx((6 * 24 ** 2 + 20 ** 2 + 12 ** 2) / (7 * seq ** 2))
+    assert data["real_tokens_per_s"] == pytest.approx(data["tokens_per_s"] * 176 / (7 * seq))
+    assert plan_main(args) == 0
+    assert "packed documents" in capsys.readouterr().out
+    path.write_text("24\nlots\n")
+    assert plan_main(args) == 2
+    assert "line 2" in capsys.readouterr().err
