@@ -104,6 +104,13 @@ def test_packed_rows_equal_documents_run_separately_gpt(plan):
     _check_packed(GPT(GPTConfig(vocab_size=128, seq_len=32, n_layer=2, n_head=2, d_model=32)), plan)
 
 
+def test_packed_rows_equal_documents_run_separately_sliding_window():
+    """V1 on HF Mistral, whose sliding window (8) is shorter than most documents, at pp=2 zbv."""
+    from tests.hf_models import build_hf
+
+    _check_packed(build_hf("mistral", seed=0, use_cache=False), dict(pp=2, schedule="zbv", num_microbatches=4))
+
+
 def _check_packed(model, plan):
     g = torch.Generator().manual_seed(1)
     splits = [(10, 22), (17, 10, 5), (5, 7, 12, 8), (20, 9, 3)]
