@@ -235,12 +235,26 @@ def _highs_available() -> bool:
         return False
 
 
+class _HiGHS(pulp.HiGHS):
+    """PuLP's in-process HiGHS, reading a stop at the node budget as PuLP reads CBC's: stopped
+    with a feasible solution (HiGHS >= 1.10 reports ``kSolutionLimit`` there, a status PuLP 3.3
+    does not map: its lookup fails after the values were assigned)."""
+
+    def findSolutionValues(self, lp):
+        try:
+            return super().findSolutionValues(lp)
+        except KeyError:
+            feasible = lp.solverModel.getInfo().primal_solution_status == 2  # kSolutionStatusFeasible
+            return ((pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible) if feasible
+                    else (pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound))
+
+
 def make_solver(max_nodes: int, warm_start: bool = False):
     """HiGHS when installed (highspy), else the CBC binary bundled with PuLP; one thread and a
     budget of branch-and-bound nodes (no time limit), so the same input gives the same plan on
     any machine under any load."""
     if _highs_available():
-        return pulp.HiGHS(msg=False, threads=1, gapRel=GAP_REL, mip_max_nodes=max_nodes)
+        return _HiGHS(msg=False, threads=1, gapRel=GAP_REL, mip_max_nodes=max_nodes)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # PuLP 3.3 announces CBC's unbundling in 4.0
         return pulp.PULP_CBC_CMD(msg=False, threads=1, warmStart=warm_start, maxNodes=max_nodes, gapRel=GAP_REL)

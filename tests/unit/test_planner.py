@@ -987,3 +987,16 @@ def test_cli_lengths_reports_real_tokens(capsys, tmp_path):
     path.write_text("24\nlots\n")
     assert plan_main(args) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+def test_highs_node_budget_reads_as_feasible():
+    """With highspy installed, PuLP's HiGHS is the solver; a solve stopped at its node budget
+    (HiGHS >= 1.10: kSolutionLimit, a status PuLP 3.3 does not map) returns its feasible
+    partition, as CBC's does, not a KeyError. Runs where highspy is installed."""
+    pytest.importorskip("highspy")
+    pm = presets.build_preset("llama3-8b", seq_len=256)
+    prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         n_heads=pm.n_heads, seq_len=256)
+    ev = Evaluator(prof, get_profile("h100"), 80 * GiB, global_batch=64)
+    res = solve_partition(ev, Layout(4, 1, 1, 1, "zbv", 2, 16, 1, 0), build("zbv", 4, 16, 2), 0.5, max_nodes=1)
+    assert res.partition is not None and "node limit" in res.status, res.status
