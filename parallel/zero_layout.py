@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 RESIDENT = "resident"
+ALIGNED = "matrices"  # ZeRO-2: the one group of an aligned option set
 MASTER_BYTES = 4  # the shards the optimizer steps are fp32
 
 
@@ -185,6 +186,8 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
             name = p.fqn
         elif zero == 3 and p.ndim < 2:
             name = RESIDENT
+        elif zero == 2 and option_of.get(p.fqn, 0) in aligned:
+            name = ALIGNED  # ZeRO-2 gathers nothing per layer: one group, whole matrices dealt over all
         else:
             name = layer_group(p.fqn)
         by_name.setdefault((name, option_of.get(p.fqn, 0), expert), []).append(p)

@@ -156,3 +156,24 @@ def test_aligned_layout_keeps_matrices_whole(prefix):
     spans = sorted((o, o + n) for o, n in zip(offsets, sizes))
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no overlap
     assert padded <= 1.25 * sum(sizes)
+
+
+def test_zero2_deals_matrices_over_all_layers():
+    """Llama-8B-shaped layers (7 matrices each) at dp=8: dealt per layer, whole matrices pad the
+    shards to 2.15x the elements (a replica gets nothing); ZeRO-2, which gathers nothing per
+    layer, deals the aligned set over all layers in one group (1.08x); ZeRO-3 keeps its layers."""
+    from autopar.parallel.zero_layout import ParamSpec, zero_layout
+
+    shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
+    specs = [ParamSpec(f"layers.{i}.m{j}.weight", s) for i in range(4) for j, s in enumerate(shapes)]
+    specs += [ParamSpec(f"layers.{i}.norm.weight", (4096,)) for i in range(4)]
+    option_of = {s.fqn: int(len(s.shape) == 2) for s in specs}
+    numel = sum(math.prod(s) for s in shapes)  # one layer's matrices
+    for zero, groups, pad in ((2, 1, 1.08), (3, 4, 2.16)):
+        zl = zero_layout(specs, zero, 8, option_of=option_of, aligned={1})
+        mats = [g for g in zl.groups if g.options == 1]
+        assert len(mats) == groups and all(g.aligned for g in mats)
+        assert sum(g.padded for g in mats) <= pad * 4 * numel
+        for g in mats:  # every matrix inside one shard
+            shard = g.padded // g.replicas
+            assert all(o // shard == (o + math.prod(s) - 1) // shard for o, s in zip(g.offsets, g.shapes))
