@@ -27,6 +27,7 @@ import argparse
 import copy
 import functools
 import json
+import math
 import os
 import sys
 
@@ -210,6 +211,65 @@ def check_chunked_loss(args) -> bool:
     return loss_err <= args.rtol and worst <= 1e-4
 
 
+def check_muon(args) -> bool:
+    """autopar.Muon in local mode on CUDA (pp=2 zbv: the routed matrices orthogonalized on the
+    device) against eager torch.optim.Muon + torch.optim.AdamW on the same routing, two steps,
+    both with float32 Newton-Schulz (torch's bfloat16 cast made a copy: bf16 rounds gradients
+    that differ in their last bits apart, tests/reference.EagerMuonAdamW): loss rtol, parameters
+    1e-4 relative + 1e-5 absolute; then the default bfloat16 Newton-Schulz runs (finite losses)."""
+    from unittest import mock
+
+    import torch
+
+    import autopar
+    from autopar.examples.gpt import make_gpt
+    from autopar.passes import capture
+    from autopar.passes.optimizer_routing import route_parameters
+
+    def case():
+        model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                                  seq_len=args.seq, batch_size=args.batch, seed=0)
+        return model.cuda(), tuple(x.cuda() for x in inputs), target.cuda(), loss_fn
+
+    spec = autopar.Muon(lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
+    model, inputs, target, loss_fn = case()
+    routes = route_parameters(capture(model, inputs, target, loss_fn))
+    ref = copy.deepcopy(model)
+    params = dict(ref.named_parameters())
+    muon = torch.optim.Muon([p for f, p in params.items() if routes[f].muon], lr=spec.lr,
+                            weight_decay=spec.weight_decay, momentum=spec.momentum)
+    adamw = torch.optim.AdamW([p for f, p in params.items() if not routes[f].muon], lr=spec.adamw_lr,
+                              betas=spec.adamw_betas, eps=spec.adamw_eps, weight_decay=spec.adamw_weight_decay)
+    want = []
+    for _ in range(2):
+        total = 0.0
+        for x, y in zip(inputs[0].chunk(4), target.chunk(4)):
+            loss = loss_fn(ref(x), y) / 4
+            loss.backward()
+            total += float(loss)
+        want.append(total)
+        with mock.patch.object(torch.Tensor, "bfloat16", torch.Tensor.clone):
+            muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=spec, example_target=target,
+                             plan=autopar.Plan(pp=2, schedule="zbv", num_microbatches=4))
+    got = [float(pm.step(inputs, target)) for _ in range(2)]
+    state, ref_state = pm.state_dict(), ref.state_dict()
+    # assert_close's rule (tests/reference.assert_close_state): |got - want| <= 1e-5 + 1e-4 |want|
+    worst = max(float(((state[k] - ref_state[k]).abs() - 1e-4 * ref_state[k].abs()).max()) for k in ref_state)
+    loss_err = max(abs(a - b) / abs(b) for a, b in zip(got, want))
+    model, inputs, target, loss_fn = case()
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=autopar.Muon(lr=0.02), example_target=target,
+                             plan=autopar.Plan(pp=2, schedule="zbv", num_microbatches=4))
+    bf16 = [float(pm.step(inputs, target)) for _ in range(2)]
+    finite = all(math.isfinite(v) for v in bf16)
+    print(f"muon: loss rel. difference {loss_err:.2e}, worst parameter excess over 1e-4 relative {worst:.2e} "
+          f"(rtol {args.rtol:g} / 1e-5 absolute); bf16 Newton-Schulz losses {bf16}")
+    return loss_err <= args.rtol and worst <= 1e-5 and finite
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
@@ -224,9 +284,11 @@ def main(argv=None) -> int:
     ok_streams = check_streams(args)
     ok_offload = check_offload(args)
     ok_chunk = check_chunked_loss(args)
+    ok_muon = check_muon(args)
     print(f"RESULT numerics {'OK' if ok_num else 'FAIL'}, streams {'OK' if ok_streams else 'FAIL'}, offload "
-          f"{'OK' if ok_offload else 'FAIL'}, chunked loss {'OK' if ok_chunk else 'FAIL'}")
-    return 0 if ok_num and ok_streams and ok_offload and ok_chunk else 1
+          f"{'OK' if ok_offload else 'FAIL'}, chunked loss {'OK' if ok_chunk else 'FAIL'}, muon "
+          f"{'OK' if ok_muon else 'FAIL'}")
+    return 0 if ok_num and ok_streams and ok_offload and ok_chunk and ok_muon else 1
 
 
 if __name__ == "__main__":
