@@ -1095,12 +1095,16 @@ class Evaluator:
         local = (_ZL_EXPERTS and e > 1 and bool(mine)
                  and all(spec.shape and spec.shape[0] % lay.ep == 0 for spec in mine))
         plain = [spec for spec in specs if spec.fqn not in experts]
+        # autopar.Muon: its matrices in option set 1, each whole in one replica's shard (the padding priced)
+        muon = {"option_of": {f: 1 for u in self.units for f in u.muon}, "aligned": {1}} \
+            if self.optimizer == "muon" else {}
         if local:
             plain = [spec if spec.fqn not in experts
                      else ParamSpec(spec.fqn, (spec.shape[0] // lay.ep,) + tuple(spec.shape[1:])) for spec in specs]
-            zl = zero_layout(plain, lay.zero, d, tied - experts, experts={s.fqn for s in mine}, expert_replicas=e)
+            zl = zero_layout(plain, lay.zero, d, tied - experts, experts={s.fqn for s in mine}, expert_replicas=e,
+                             **muon)
         else:
-            zl = zero_layout(plain, lay.zero, d, tied)
+            zl = zero_layout(plain, lay.zero, d, tied, **muon)
         self._zl[key] = (zl, local)
         return zl, local
 

@@ -333,6 +333,7 @@ class Unit:
     # the unit's parameters under the real model's FQNs (canonical names; for the ZeRO layout)
     params: tuple = field(default=(), compare=False, repr=False)
     experts: frozenset = field(default=frozenset(), compare=False, repr=False)  # of those, the expert weights
+    muon: frozenset = field(default=frozenset(), compare=False, repr=False)  # of those, what autopar.Muon steps
 
 
 @dataclass
@@ -857,8 +858,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         first_unit.append(len(units))
         cut = 0 if k == 0 else cuts[k - 1]
         specs = _param_specs(st)
+        muon = [routes[s.fqn].muon if s.fqn in routes else False for s in specs]
         if label is None:
-            units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut, specs, _experts(specs, is_expert)))
+            units.append(Unit("prologue" if k == 0 else "epilogue", kind, cut, specs, _experts(specs, is_expert),
+                              frozenset(s.fqn for s, m in zip(specs, muon) if m)))
             continue
         container = label.rsplit(".", 1)[0]
         n = repeats.get(label, 1)
@@ -869,7 +872,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
             renamed = tuple(ParamSpec(unit + s.fqn[len(label):] if s.fqn.startswith(label + ".") else s.fqn, s.shape)
                             for s in specs)
             units.append(Unit(unit, kind, cut if n == 1 and not layer_repeats else None, renamed,
-                              _experts(renamed, is_expert)))
+                              _experts(renamed, is_expert), frozenset(s.fqn for s, m in zip(renamed, muon) if m)))
     tied = sum(len(v) - 1 for v in captured.aliases.values())
     tied_elems = 0
     if tied:

@@ -270,7 +270,8 @@ def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:
     flops = sum(ev.muon_shards(k, lay)[1] for k in held[worst])
     share = total / max(prof.total_params, 1)
     return [f"  optimizer: Muon on {total / 1e9:.3g}B hidden-matrix elements ({share:.0%}), "
-            f"AdamW on the rest; pp rank {worst}: {saved / GiB:.2f} GiB less optimizer state than Adam, Newton-Schulz "
+            f"AdamW on the rest; pp rank {worst}: {saved / GiB:.2f} GiB less optimizer state than Adam "
+            "(one momentum an element; ZeRO-2/3's whole-matrix shard padding is in the memory table), Newton-Schulz "
             f"{flops / 1e12:.3g} TFLOP ({flops / ev.device.flops_rate('bfloat16') * 1e3:.3g} ms) a step"]
 
 

@@ -1000,3 +1000,22 @@ def test_highs_node_budget_reads_as_feasible():
     ev = Evaluator(prof, get_profile("h100"), 80 * GiB, global_batch=64)
     res = solve_partition(ev, Layout(4, 1, 1, 1, "zbv", 2, 16, 1, 0), build("zbv", 4, 16, 2), 0.5, max_nodes=1)
     assert res.partition is not None and "node limit" in res.status, res.status
+
+
+def test_muon_zero3_prices_whole_matrix_padding():
+    """Under ZeRO-3 each layer's Muon matrices are dealt whole to the replicas (parallel/
+    zero_layout.aligned_offsets): Llama-3-8B's 7 matrices a layer over dp=8 give one each to 7
+    replicas, so every shard is as large as the largest matrix (14336 x 4096): the layer's
+    Muon group is 8 x 14336 x 4096 elements (hand value), where AdamW packs 13 x 4096^2 / 8 a
+    replica; the master shards priced follow."""
+    pm = presets.build_preset("llama3-8b", seq_len=256)
+    prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         n_heads=pm.n_heads, seq_len=256)
+    lay = Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 3)
+    part = Partition((0, len(prof.units)), (False,))
+    zls = {o: Evaluator(prof, get_profile("h100"), 80 * GiB, 64, optimizer=o)._zero_layout(lay, part, (0,), 0)[0]
+           for o in ("adamw", "muon")}
+    layer = [g for g in zls["muon"].groups if g.name == "layers.5/1"]
+    assert len(layer) == 1 and layer[0].padded == 8 * 14336 * 4096
+    assert [g.name for g in zls["adamw"].groups if g.name.startswith("layers.5")] == ["layers.5"]
+    assert zls["muon"].shard_numel > zls["adamw"].shard_numel + 31 * (14336 * 4096 - 13 * 4096 ** 2 // 8)
