@@ -40,10 +40,19 @@ they can); ep groups are drawn from the dp*cp ranks of one stage.
 from __future__ import annotations
 
 import inspect
+import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
-from autopar.parallel.zero_layout import MASTER_BYTES, ParamSpec, ZeroLayout, zero_layout
+from autopar.parallel.zero_layout import (
+    MASTER_BYTES,
+    ParamSpec,
+    ZeroLayout,
+    aligned_offsets,
+    layer_group,
+    ns_flops,
+    zero_layout,
+)
 from autopar.schedules import build, simulate
 from autopar.schedules.costs import Costs
 from autopar.schedules.ir import F as _F
@@ -935,6 +944,9 @@ class Evaluator:
         finish, opt_of = [], []
         for r in range(lay.pp):
             stages = sorted((s for s in range(len(s2r)) if s2r[s] == r), key=lambda s: done.get(s, 0.0))
+            # Muon's whole-matrix shards: their padding is reduced and gathered with the rest
+            dealt = self.muon_dealt(lay, part, s2r, r)
+            pad = dealt[0] if dealt else 0.0
             n = self.rank_params(lay, part, s2r, r)
             n_e = sum(k.expert_params for s in stages for k in kinds[s]) / lay.ep
             tensors = sum(k.param_tensors for s in stages for k in kinds[s])
@@ -953,22 +965,22 @@ class Evaluator:
                 t = max(t, tr) + 2 * 4 * n / bw + tensors * ov
             elif d > 1 and lay.zero == 1:
                 t += (3 * 4 * n / bw + 2 * tensors * ov                                # flatten
-                      + self.group_collective("reduce_scatter", 4, n - n_e, n_e, lay, links)
-                      + self.group_collective("all_gather", 4, n - n_e, n_e, lay, links)
+                      + self.group_collective("reduce_scatter", 4, n - n_e + pad, n_e, lay, links)
+                      + self.group_collective("all_gather", 4, n - n_e + pad, n_e, lay, links)
                       + 2 * 4 * n / bw + tensors * ov)                                 # copy back
             elif d > 1 and lay.zero >= 2:
                 # runtime/sharded.py: each layer group's flat fp32 gradients are reduce-scattered
                 # once, after its last W; ZeRO-2 then all-gathers the stepped shards and copies them
-                red = self.group_collective("reduce_scatter", 4, n - n_e, n_e, lay, links)
+                red = self.group_collective("reduce_scatter", 4, n - n_e + pad, n_e, lay, links)
                 t += red if self.device.name == "cpu" else max(0.0, red - last_bwd[r][1])
                 if lay.zero == 2:
-                    t += self.group_collective("all_gather", p.weight, n - n_e, n_e, lay, links) + 2 * 4 * n / bw
+                    t += self.group_collective("all_gather", p.weight, n - n_e + pad, n_e, lay, links) + 2 * 4 * n / bw
             if lay.pp > 1:
                 t += links["pp"].alpha_s
             if d > 1:
                 t += links["dp"].alpha_s
             o = self.optimizer_time(lay, n, tensors, n_e)
-            o += self.muon_time(lay, [k for s in stages for k in kinds[s]])
+            o += self.muon_time(lay, [k for s in stages for k in kinds[s]], dealt[1] if dealt else None)
             finish.append(t + o)
             opt_of.append(o)
         r = max(range(lay.pp), key=finish.__getitem__)
@@ -1011,18 +1023,62 @@ class Evaluator:
         moved = shard * (20 * 4 if p.weight == 4 else (p.weight + p.grad + p.optim) * 2)
         return moved / bw + self.device.op_overhead_s * tensors * 12
 
-    def muon_time(self, lay: Layout, kinds) -> float:
+    def muon_time(self, lay: Layout, kinds, worst_flops: float | None = None) -> float:
         """What Muon adds to the optimizer step of a rank holding ``kinds`` over Adam's pricing of
         the same elements (``optimizer_time``): Newton-Schulz on its matrices (bfloat16 GEMMs at
-        the device's matmul rate), less the elementwise traffic Muon does not make (momentum
-        and the Nesterov blend, 11 four-byte passes an element, against Adam's 20)."""
+        the device's matmul rate; ``worst_flops``: the replica that steps the most, from
+        ``muon_dealt``, else 1/(dp*cp) of them at ZeRO >= 1), less the elementwise traffic Muon
+        does not make (momentum and the Nesterov blend, 11 four-byte passes an element, against
+        Adam's 20)."""
         if self.optimizer != "muon":
             return 0.0
         n = flops = 0.0
         for k in kinds:
             kn, kf = self.muon_shards(k, lay)
             n, flops = n + kn, flops + kf
+        if worst_flops is not None:
+            flops = worst_flops
         return flops / self.device.flops_rate("bfloat16") - n * (20 - 11) * 4 / self.stream_bandwidth(lay)
+
+    def muon_dealt(self, lay: Layout, part: Partition, s2r, rank: int) -> tuple[float, float] | None:
+        """Under ``optimizer="muon"`` and ZeRO >= 1: how the runtime deals ``rank``'s Muon
+        matrices whole to the replicas (parallel/zero_layout.aligned_offsets: ZeRO-1 and ZeRO-2
+        one set over all its layers, ZeRO-3 one per layer; expert shards over their
+        expert-data-parallel group, or stepped whole where it is one rank): (the padding
+        elements the whole-matrix shards add, Newton-Schulz FLOPs of the replica that steps the
+        most). None otherwise, or when the profile's units carry no parameter names."""
+        d, e = lay.dp * lay.cp, self.expert_replicas(lay)
+        if (self.optimizer != "muon" or lay.zero == 0 or d == 1
+                or not all(u.params or not u.kind.params for u in self.units)):
+            return None
+        key = ("muon", lay.zero, d, e, lay.ep, part.bounds, tuple(s2r), rank)
+        if key in self._zl:
+            return self._zl[key]
+        muon = set().union(*(u.muon for u in self.units))
+        experts = set().union(*(u.experts for u in self.units))
+        specs = [s for s in self.rank_specs(part, s2r, rank) if s.fqn in muon]
+        pad = worst = 0.0
+        for expert, replicas in ((False, d), (True, e)):
+            mine = [ParamSpec(s.fqn, (s.shape[0] // lay.ep,) + tuple(s.shape[1:])) if expert else s
+                    for s in specs if (s.fqn in experts) == expert]
+            if not mine:
+                continue
+            if replicas == 1:  # stepped whole by their one holder
+                worst += sum(ns_flops(s.shape) for s in mine)
+                continue
+            groups: dict[str, list] = {}
+            for s in mine:
+                groups.setdefault(layer_group(s.fqn) if lay.zero == 3 else "", []).append(s.shape)
+            for shapes in groups.values():
+                offsets, padded = aligned_offsets(shapes, replicas)
+                shard = padded // replicas
+                per = [0.0] * replicas
+                for o, shape in zip(offsets, shapes):
+                    per[o // shard] += ns_flops(shape)
+                pad += padded - sum(math.prod(shape) for shape in shapes)
+                worst += max(per)
+        self._zl[key] = (pad, worst)
+        return pad, worst
 
     def stream_bandwidth(self, lay: Layout) -> float:
         """Bytes/s one rank streams through memory in the runtime's memory-bound work (gradient

@@ -1019,3 +1019,25 @@ def test_muon_zero3_prices_whole_matrix_padding():
     assert len(layer) == 1 and layer[0].padded == 8 * 14336 * 4096
     assert [g.name for g in zls["adamw"].groups if g.name.startswith("layers.5")] == ["layers.5"]
     assert zls["muon"].shard_numel > zls["adamw"].shard_numel + 31 * (14336 * 4096 - 13 * 4096 ** 2 // 8)
+
+
+def test_muon_worst_replica_and_padding():
+    """Newton-Schulz and the collectives follow the whole-matrix dealing (hand values, Llama-3-8B
+    at dp=8, one stage): under ZeRO-3 each layer's 7 matrices go one to a replica, so the
+    replica that steps the most does one 14336 x 4096 matrix a layer (32 of them) and each layer
+    pads 8 x 14336 x 4096 - 13 x 4096^2 elements; ZeRO-1 deals all 224 matrices at once, within
+    a few percent of an eighth of the work each, with little padding."""
+    from autopar.parallel.zero_layout import ns_flops
+
+    pm = presets.build_preset("llama3-8b", seq_len=256)
+    prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         n_heads=pm.n_heads, seq_len=256)
+    ev = Evaluator(prof, get_profile("h100"), 80 * GiB, 64, optimizer="muon")
+    part = Partition((0, len(prof.units)), (False,))
+    pad, worst = ev.muon_dealt(Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 3), part, (0,), 0)
+    assert worst == 32 * ns_flops((14336, 4096))
+    assert pad == 32 * (8 * 14336 * 4096 - 13 * 4096 ** 2)
+    total = sum(u.kind.muon_flops for u in prof.units)
+    pad1, worst1 = ev.muon_dealt(Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 1), part, (0,), 0)
+    assert total / 8 <= worst1 <= 1.05 * total / 8 and pad1 <= 0.05 * sum(u.kind.muon_params for u in prof.units)
+    assert ev.muon_dealt(Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 0), part, (0,), 0) is None  # every replica steps all
