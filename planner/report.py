@@ -267,7 +267,8 @@ def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:
     held = {r: [k for s in range(len(kinds)) if s2r[s] == r for k in kinds[s]] for r in sorted(set(s2r))}
     worst = max(held, key=lambda r: sum(ev.muon_shards(k, lay)[1] for k in held[r]))
     saved = sum(ev.muon_state_saving(k, lay) for k in held[worst])
-    flops = sum(ev.muon_shards(k, lay)[1] for k in held[worst])
+    dealt = ev.muon_dealt(lay, est.partition, s2r, worst)  # the replica of that rank that steps the most
+    flops = dealt[1] if dealt else sum(ev.muon_shards(k, lay)[1] for k in held[worst])
     share = total / max(prof.total_params, 1)
     return [f"  optimizer: Muon on {total / 1e9:.3g}B hidden-matrix elements ({share:.0%}), "
             f"AdamW on the rest; pp rank {worst}: {saved / GiB:.2f} GiB less optimizer state than Adam "
