@@ -104,7 +104,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     params = unique_params(model)
     trainable = {f for f, p in params.items() if p.requires_grad}
     options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
-    routes = route_optimizer(factory=optimizer, captured=captured, model=model, options=options)
+    routes = route_optimizer(factory=optimizer, captured=captured, options=options)
     programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
     values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
                            owners=owners, device=input_device(inputs), buffers=buffers)
@@ -467,7 +467,7 @@ def attach_offload(*, executor, plan: Plan, device) -> None:
              sorted(s for s, ks in chosen.items() if ks))
 
 
-def route_optimizer(*, factory, captured, model: nn.Module, options: dict) -> dict | None:
+def route_optimizer(*, factory, captured, options: dict) -> dict | None:
     """An optimizer factory that routes parameters from the graph (``autopar.Muon``): FQN ->
     its Route, and each parameter's route put into ``options`` under the user's own
     ``param_groups`` options (they win); None for other factories."""
@@ -475,8 +475,7 @@ def route_optimizer(*, factory, captured, model: nn.Module, options: dict) -> di
         return None
     from autopar.muon import route_options
 
-    shapes = {f: tuple(p.shape) for f, p in unique_params(model).items()}
-    routes = factory.routes(captured, shapes)
+    routes = factory.routes(captured)
     for f, opts in route_options(routes).items():
         options[f] = {**opts, **options.get(f, {})}
     return routes

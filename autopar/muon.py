@@ -33,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.optim.adam import adam
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 
@@ -162,10 +163,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def _matrices(self, group: dict, i: int, p: torch.Tensor):
         """(offset into the flat parameter, 2-D shape) of every matrix parameter ``i`` holds."""
         layout = group.get("muon_matrices")
-        if layout is not None:
-            return layout[i]
-        r, c = p.shape[-2:]
-        return [(k * r * c, (r, c)) for k in range(p.numel() // (r * c))]
+        return layout[i] if layout is not None else shard_matrices([p.shape], [0], 0, p.numel())
 
     def _muon(self, group: dict) -> None:
         lr, wd, momentum = group["lr"], group["weight_decay"], group["momentum"]
@@ -192,25 +190,20 @@ class MuonAdamW(torch.optim.Optimizer):
                     block.add_(o, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], (hi - lo, shape[1])))
 
     def _adamw(self, group: dict) -> None:
-        """``torch.optim.AdamW``'s single-tensor update."""
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            grad = p.grad
+        """``torch.optim.AdamW``'s update: torch's functional Adam with decoupled weight decay
+        (its per-tensor loop on CPU, foreach on CUDA, as AdamW picks)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        for p in params:
             state = self.state[p]
-            if not state:
+            if not state:  # AdamW's state, under its names (checkpoints and load_state_dict)
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            step = state["step"].item()
-            p.mul_(1 - lr * wd)
-            state["exp_avg"].lerp_(grad, 1 - beta1)
-            state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
-            p.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1 ** step))
+        beta1, beta2 = group["betas"]
+        states = [self.state[p] for p in params]
+        adam(params, [p.grad for p in params], [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+             [], [st["step"] for st in states], decoupled_weight_decay=True, amsgrad=False, beta1=beta1,
+             beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
 @dataclass(frozen=True)
@@ -239,9 +232,9 @@ class Muon:
                          adamw_lr=self.adamw_lr, adamw_betas=self.adamw_betas, adamw_eps=self.adamw_eps,
                          adamw_weight_decay=self.adamw_weight_decay, ns_dtype=self.ns_dtype)
 
-    def routes(self, captured, shapes: dict[str, tuple]) -> dict:
+    def routes(self, captured) -> dict:
         """FQN -> ``Route`` for every parameter of ``captured`` (the graph's routing, then
-        ``muon_params``); ``shapes``: FQN -> shape of the whole parameter."""
+        ``muon_params``, called with each parameter's shape)."""
         from autopar.passes.optimizer_routing import route_parameters
 
         routes = route_parameters(captured, split_heads=self.split_heads)
@@ -255,9 +248,9 @@ class Muon:
             pick = lambda fqn, _shape: any(fnmatch.fnmatchcase(fqn, pat) for pat in patterns)  # noqa: E731
         out = {}
         for fqn, r in routes.items():
-            if pick(fqn, shapes[fqn]):
-                if len(shapes[fqn]) < 2:
-                    raise ValueError(f"autopar.Muon: muon_params picks {fqn!r} of shape {tuple(shapes[fqn])}; "
+            if pick(fqn, r.shape):
+                if len(r.shape) < 2:
+                    raise ValueError(f"autopar.Muon: muon_params picks {fqn!r} of shape {r.shape}; "
                                      "Muon steps matrices (2 or more dims)")
                 out[fqn] = r if r.muon else r._replace(muon=True, reason="muon_params")
             else:

@@ -76,6 +76,39 @@ def warmup_cosine(warmup: int, total: int):
     return factor
 
 
+def setup(args) -> tuple[autopar.Plan, GPT]:
+    """The process group (under torchrun), the plan of the flags and the GPT on the meta device."""
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    plan = autopar.Plan(pp=args.pp or world // args.dp, dp=args.dp, schedule=args.schedule,
+                        num_microbatches=args.microbatches, zero=args.zero)
+    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model)
+    with torch.device("meta"):
+        return plan, GPT(cfg)
+
+
+def save(pm, out: str) -> None:
+    """A checkpoint ``out/stepNNNNNN``, then ``out/latest`` pointing at it (the pointer moves
+    only to a complete checkpoint)."""
+    name = f"step{pm.step_count:06d}"
+    pm.save(os.path.join(out, name))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        latest = os.path.join(out, "latest")
+        with open(latest + ".tmp", "w") as fh:
+            fh.write(name)
+        os.replace(latest + ".tmp", latest)
+
+
+def resume(pm, out: str) -> None:
+    """Load the checkpoint ``out/latest`` points at, if there is one."""
+    latest = os.path.join(out, "latest")
+    if os.path.exists(latest):
+        with open(latest) as fh:
+            pm.load(os.path.join(out, fh.read().strip()))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=None, help="pipeline ranks (default: every process)")
@@ -108,17 +141,8 @@ def main(argv=None) -> dict:
     if args.packed:
         return main_packed(args)
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    pp = args.pp or world // args.dp
-    plan = autopar.Plan(pp=pp, dp=args.dp, schedule=args.schedule, num_microbatches=args.microbatches,
-                        zero=args.zero)
-    local = args.batch // args.dp
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model)
-    with torch.device("meta"):
-        model = GPT(cfg)
+    plan, model = setup(args)
+    pp, local = plan.pp, args.batch // args.dp
     train, held_out = Tokens(40 * args.batch, args.seq, args.vocab, seed=0), Tokens(args.batch, args.seq, args.vocab, 1)
     # every process runs the sampler of its dp replica (pipeline ranks of one replica get the same data)
     dp_rank = (dist.get_rank() // pp) if dist.is_initialized() else 0
@@ -134,10 +158,8 @@ def main(argv=None) -> dict:
         log_every=args.log_every, weights=args.weights,
         mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16) if args.bf16 else None)
     assert pm.data_parallel_rank == dp_rank
-    latest = os.path.join(args.out, "latest")
-    if args.resume and os.path.exists(latest):
-        with open(latest) as fh:
-            pm.load(os.path.join(args.out, fh.read().strip()))  # parameters, optimizer, step count, RNG
+    if args.resume:
+        resume(pm, args.out)  # parameters, optimizer, step count, RNG
     # the lr schedule continues where the checkpoint stopped (its initial_lr is in param_groups)
     scheduler = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, warmup_cosine(args.warmup, args.steps),
                                                   last_epoch=pm.step_count - 1)
@@ -157,12 +179,7 @@ def main(argv=None) -> dict:
             if pm.step_count % args.eval_every == 0:
                 evals.append(float(pm.evaluate((ex,), ey)))
             if pm.step_count % args.save_every == 0:
-                name = f"step{pm.step_count:06d}"
-                pm.save(os.path.join(args.out, name))
-                if not dist.is_initialized() or dist.get_rank() == 0:
-                    with open(latest + ".tmp", "w") as fh:
-                        fh.write(name)
-                    os.replace(latest + ".tmp", latest)  # the pointer moves only to a complete checkpoint
+                save(pm, args.out)
             if pm.step_count >= stop:
                 break
         epoch += 1
@@ -176,16 +193,7 @@ def main_packed(args) -> dict:
     attends to itself only) and ``labels`` and returns its loss, the mean over every real token of
     the global batch (``loss_fn=None``). Every process builds the same stream and passes the
     global batch; resuming skips the batches already trained on."""
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    pp = args.pp or world // args.dp
-    plan = autopar.Plan(pp=pp, dp=args.dp, schedule=args.schedule, num_microbatches=args.microbatches,
-                        zero=args.zero)
-    cfg = GPTConfig(vocab_size=args.vocab, seq_len=args.seq, n_layer=args.layers, n_head=4, d_model=args.d_model)
-    with torch.device("meta"):
-        model = GPT(cfg)
+    plan, model = setup(args)
     groups = args.dp * args.microbatches
     stream = autopar.data.packed_batches(documents(args.seq, args.vocab, seed=0), args.seq, args.batch, groups=groups)
     held_out = next(autopar.data.packed_batches(documents(args.seq, args.vocab, seed=1), args.seq, args.batch,
@@ -195,10 +203,8 @@ def main_packed(args) -> dict:
         model, first, loss_fn=None, optimizer=lambda g: torch.optim.AdamW(g, lr=args.lr, weight_decay=0.1), plan=plan,
         param_groups=no_decay, max_grad_norm=args.max_grad_norm, log_every=args.log_every, weights=args.weights,
         mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16) if args.bf16 else None)
-    latest = os.path.join(args.out, "latest")
-    if args.resume and os.path.exists(latest):
-        with open(latest) as fh:
-            pm.load(os.path.join(args.out, fh.read().strip()))
+    if args.resume:
+        resume(pm, args.out)
     scheduler = torch.optim.lr_scheduler.LambdaLR(pm.optimizer, warmup_cosine(args.warmup, args.steps),
                                                   last_epoch=pm.step_count - 1)
     batches = itertools.chain([first], stream)  # step k trains on the k-th batch
@@ -214,12 +220,7 @@ def main_packed(args) -> dict:
         if pm.step_count % args.eval_every == 0:
             evals.append(float(pm.evaluate(held_out, None)))
         if pm.step_count % args.save_every == 0:
-            name = f"step{pm.step_count:06d}"
-            pm.save(os.path.join(args.out, name))
-            if not dist.is_initialized() or dist.get_rank() == 0:
-                with open(latest + ".tmp", "w") as fh:
-                    fh.write(name)
-                os.replace(latest + ".tmp", latest)
+            save(pm, args.out)
     return {"losses": losses, "evals": evals, "steps": pm.step_count, "lr": pm.optimizer.param_groups[0]["lr"],
             "real_fraction": real}
 

@@ -69,7 +69,6 @@ class GroupSpec:
     options: int = 0       # index of the parameter-group option set its parameters share
     expert: bool = False   # expert-parallel shards, sharded over the expert-data-parallel group
     replicas: int = 1      # ranks the group is sharded over (dp*cp; dp*cp/ep for an expert group)
-    aligned: bool = False  # every parameter wholly inside one replica's shard (Muon: aligned_offsets)
 
 
 @dataclass(frozen=True)
@@ -155,6 +154,16 @@ def aligned_offsets(shapes: Sequence[tuple[int, ...]], replicas: int) -> tuple[t
     return tuple(offsets), shard * replicas
 
 
+def flat_offsets(shapes: Sequence[tuple[int, ...]], replicas: int,
+                 aligned: bool = False) -> tuple[tuple[int, ...], int]:
+    """Offsets of ``shapes`` in one flat vector sharded over ``replicas``, and its padded size:
+    packed one after the other (padded to a multiple of ``replicas``), or ``aligned_offsets``."""
+    if aligned:
+        return aligned_offsets(shapes, replicas)
+    sizes = [math.prod(s) for s in shapes]
+    return tuple(itertools.accumulate(sizes[:-1], initial=0)), -(-sum(sizes) // replicas) * replicas
+
+
 def layer_group(fqn: str) -> str:
     """``layers.3.attn.wq.weight`` -> ``layers.3``; ``tok_emb.weight`` -> ``tok_emb``."""
     parts = fqn.split(".")
@@ -195,15 +204,9 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
     for (base, opt, expert), members in by_name.items():
         name = (f"{base}/experts" if expert else base) + ("" if opt == 0 else f"/{opt}")
         n = expert_replicas if expert else replicas
-        total = sum(p.numel for p in members)
-        if opt in aligned:
-            offsets, padded = aligned_offsets([p.shape for p in members], n)
-        else:
-            offsets = tuple(itertools.accumulate((p.numel for p in members[:-1]), initial=0))
-            padded = -(-total // n) * n
+        offsets, padded = flat_offsets([p.shape for p in members], n, aligned=opt in aligned)
         groups.append(GroupSpec(
             name=name, fqns=tuple(p.fqn for p in members), shapes=tuple(p.shape for p in members),
-            offsets=tuple(offsets), numel=total, padded=padded,
-            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n,
-            aligned=opt in aligned))
+            offsets=offsets, numel=sum(p.numel for p in members), padded=padded,
+            streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n))
     return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups), expert_replicas=expert_replicas)

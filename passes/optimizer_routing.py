@@ -30,9 +30,10 @@ import torch.fx as fx
 from .costs import is_view
 
 # ops whose output is the parameter's value moved, cast or selected (expert rows), not computed on
-_PASS_THROUGH = {"clone", "contiguous", "_to_copy", "to", "index", "index_select", "_assert_tensor_metadata"}
+_PASS_THROUGH = {"clone", "contiguous", "_to_copy", "to", "index", "index_select"}
 _MATMUL = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "einsum"}
 _SELECTS = {"topk", "sort", "argsort", "argmax", "argmin", "kthvalue"}
+# ops between a projection and its head reshape that keep the last dim's heads intact (a bias add too)
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "add"}
 # ops that read only their input's shape, dtype or device: no value flows through them
 _SHAPE_ONLY = {"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like", "empty_like",
@@ -70,7 +71,7 @@ def _uses(node: fx.Node) -> list[fx.Node]:
     out, stack = [], list(node.users)
     while stack:
         u = stack.pop()
-        if _opname(u) == "_assert_tensor_metadata":
+        if _opname(u) in _SHAPE_ONLY:  # reads no value (deepseek's _assert_tensor_metadata on a router weight)
             continue
         if _passes_value(u):
             stack.extend(u.users)

@@ -17,13 +17,12 @@ Elementwise optimizers (SGD, Adam, AdamW) give the same numbers as the unsharded
 """
 from __future__ import annotations
 
-import itertools
 import math
 
 import torch
 
 from autopar.muon import shard_matrices, whole_matrices
-from autopar.parallel.zero_layout import aligned_offsets
+from autopar.parallel.zero_layout import flat_offsets
 
 from . import comms
 from .optim import WrappedOptimizer
@@ -39,12 +38,7 @@ class _FlatSet:
                  aligned: bool = False):
         self.names, self.group, self.dp = names, group, dp
         self.shapes = [tuple(params[f].shape) for f in names]
-        if aligned:
-            self.offsets, self.total = aligned_offsets(self.shapes, dp)
-        else:
-            sizes = [math.prod(s) for s in self.shapes]
-            self.offsets = tuple(itertools.accumulate(sizes[:-1], initial=0))
-            self.total = -(-sum(sizes) // dp) * dp
+        self.offsets, self.total = flat_offsets(self.shapes, dp, aligned)
         self.shard = self.total // dp
         self.lo = dp_rank * self.shard
         self.device = device

@@ -172,7 +172,7 @@ def test_zero2_deals_matrices_over_all_layers():
     for zero, groups, pad in ((2, 1, 1.08), (3, 4, 2.16)):
         zl = zero_layout(specs, zero, 8, option_of=option_of, aligned={1})
         mats = [g for g in zl.groups if g.options == 1]
-        assert len(mats) == groups and all(g.aligned for g in mats)
+        assert len(mats) == groups
         assert sum(g.padded for g in mats) <= pad * 4 * numel
         for g in mats:  # every matrix inside one shard
             shard = g.padded // g.replicas

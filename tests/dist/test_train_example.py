@@ -21,32 +21,29 @@ def _train(rank, world, argv):
     return train.main(argv)
 
 
-def _eager(steps: int, eval_every: int):
-    """The recipe of examples/train.py in one process, with torch alone (plus init_weights, the
-    documented eager reproduction of autopar's initialization)."""
+def _recipe(seq: int, steps: int, eval_every: int, step_loss, eval_loss):
+    """examples/train.py's recipe in one process, with torch alone (plus init_weights, the
+    documented eager reproduction of autopar's initialization): the GPT, AdamW without weight
+    decay on norms and biases, the warmup+cosine LambdaLR, clip_grad_norm_(1.0);
+    ``step_loss(model, step)``: the loss of a step's global batch, ``eval_loss(model)``: the
+    held-out loss. Returns (losses, held-out losses)."""
     import torch
-    from torch.utils.data import DataLoader, DistributedSampler
 
     import autopar
     from autopar.examples import train
-    from autopar.examples.gpt import GPT, GPTConfig, gpt_loss
+    from autopar.examples.gpt import GPT, GPTConfig
 
-    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = GPT(GPTConfig(vocab_size=64, seq_len=seq, n_layer=2, n_head=4, d_model=32))
     autopar.init_weights(model, seed=0)
-    data, held_out = train.Tokens(40 * 8, 16, 64, seed=0), train.Tokens(8, 16, 64, seed=1)
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(data, batch_size=8, sampler=sampler, drop_last=True)
     params = dict(model.named_parameters())
     groups = [{"params": [p for f, p in params.items() if not train.no_decay(f, p)]},
               {"params": [p for f, p in params.items() if train.no_decay(f, p)], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, train.warmup_cosine(2, steps))
     losses, evals = [], []
-    sampler.set_epoch(0)
-    for step, (x, y) in enumerate(loader, start=1):
-        loss = gpt_loss(model(x), y)
+    for step in range(1, steps + 1):
+        loss = step_loss(model, step)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -55,9 +52,28 @@ def _eager(steps: int, eval_every: int):
         losses.append(float(loss.detach()))
         if step % eval_every == 0:
             with torch.no_grad():
-                evals.append(float(gpt_loss(model(held_out.data[:, :-1]), held_out.data[:, 1:])))
-        if step == steps:
-            return losses, evals
+                evals.append(float(eval_loss(model)))
+    return losses, evals
+
+
+def _eager(steps: int, eval_every: int):
+    """The recipe on the DistributedSampler's order of the synthetic token rows."""
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from autopar.examples import train
+    from autopar.examples.gpt import gpt_loss
+
+    data, held_out = train.Tokens(40 * 8, 16, 64, seed=0), train.Tokens(8, 16, 64, seed=1)
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0, drop_last=True)
+    sampler.set_epoch(0)
+    batches = iter(DataLoader(data, batch_size=8, sampler=sampler, drop_last=True))
+
+    def step_loss(model, _step):
+        x, y = next(batches)
+        return gpt_loss(model(x), y)
+
+    return _recipe(16, steps, eval_every, step_loss,
+                   lambda model: gpt_loss(model(held_out.data[:, :-1]), held_out.data[:, 1:]))
 
 
 @pytest.mark.slow
@@ -87,38 +103,14 @@ PACKED = ["--packed", "--pp", "2", "--layers", "2", "--d-model", "32", "--seq", 
 
 
 def _eager_packed(steps: int, eval_every: int):
-    """``--packed``'s recipe with torch alone: the same packed batches, one forward of the whole
-    global batch per step (the model's own loss: the mean over every real token)."""
-    import torch
-
-    import autopar
+    """``--packed``'s recipe: the same packed batches, one forward of the whole global batch per
+    step (the model's own loss: the mean over every real token)."""
     import autopar.data
     from autopar.examples import train
-    from autopar.examples.gpt import GPT, GPTConfig
 
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32))
-    autopar.init_weights(model, seed=0)
     stream = autopar.data.packed_batches(train.documents(32, 64, seed=0), 32, 4, groups=2)
     held_out = next(autopar.data.packed_batches(train.documents(32, 64, seed=1), 32, 4, groups=2))
-    params = dict(model.named_parameters())
-    groups = [{"params": [p for f, p in params.items() if not train.no_decay(f, p)]},
-              {"params": [p for f, p in params.items() if train.no_decay(f, p)], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, train.warmup_cosine(2, steps))
-    losses, evals = [], []
-    for step in range(1, steps + 1):
-        loss = model(**next(stream))
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        losses.append(float(loss.detach()))
-        if step % eval_every == 0:
-            with torch.no_grad():
-                evals.append(float(model(**held_out)))
-    return losses, evals
+    return _recipe(32, steps, eval_every, lambda model, _step: model(**next(stream)), lambda model: model(**held_out))
 
 
 @pytest.mark.slow

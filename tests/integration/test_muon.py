@@ -70,11 +70,10 @@ def test_routing_gpt_oss_expert_biases_and_override():
     assert kinds["model.layers.0.mlp.experts.gate_up_proj_bias"] == "not a matmul operand"
     assert kinds["model.layers.0.mlp.experts.down_proj"] == "muon"
     cap = capture(case.model, case.inputs, case.target, case.loss_fn)
-    shapes = {f: tuple(p.shape) for f, p in case.model.named_parameters()}
-    forced = autopar.Muon(muon_params=["lm_head.*"]).routes(cap, shapes)
+    forced = autopar.Muon(muon_params=["lm_head.*"]).routes(cap)
     assert forced["lm_head.weight"].muon and not forced["model.layers.0.self_attn.q_proj.weight"].muon
     with pytest.raises(ValueError, match="Muon steps matrices"):
-        autopar.Muon(muon_params=["*norm*"]).routes(cap, shapes)
+        autopar.Muon(muon_params=["*norm*"]).routes(cap)
 
 
 def test_head_split_update_is_torch_muon_per_head():
