@@ -230,7 +230,9 @@ class ParallelModel:
 
         b = self._require_built("stage_table")
         opt = b.optimizer
-        return stage_table(b.programs, b.schedule, routes=getattr(getattr(opt, "inner", opt), "routes", None))
+        off = b.executor.work.offload
+        return stage_table(b.programs, b.schedule, routes=getattr(getattr(opt, "inner", opt), "routes", None),
+                           offloaded=off.stage_bytes if off is not None else None)
 
     def dump(self, directory: str) -> list[str]:
         """Write every stage's F, I, W, B code as Python, each rank's step and a stage table;

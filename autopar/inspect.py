@@ -70,22 +70,28 @@ def resident_parameter_bytes(pm) -> int:
     return total
 
 
-def stage_table(programs, schedule=None, rows: list[dict] | None = None, routes: dict | None = None) -> str:
+def stage_table(programs, schedule=None, rows: list[dict] | None = None, routes: dict | None = None,
+                offloaded: dict | None = None) -> str:
     """``routes``: the optimizer's routing (``autopar.Muon``): a column counts each stage's
-    parameters it steps with Muon."""
+    parameters it steps with Muon. ``offloaded``: per stage this process runs, the bytes the
+    activation offload (``Plan.offload``) copied to the host in the last step: an
+    "offload/step" column."""
     rows = stage_rows(programs, schedule) if rows is None else sorted(rows, key=lambda r: r["stage"])
     resident = all("resident_bytes" in r for r in rows) and rows
     muon = {p.stage.index: sum(1 for f in p.stage.params if f in routes and routes[f].muon)
             for p in programs if hasattr(p, "f")} if routes else None
     head = f"{'stage':>5} {'rank':>4} {'params':>6} " + (f"{'muon':>5} " if muon else "") + \
            f"{'param mem':>10} {'F GFLOP':>8} {'I GFLOP':>8} {'W GFLOP':>8} " \
-           f"{'saved/mb':>10} {'bytes in':>10} {'bytes out':>10}" + (f" {'rank holds':>10}" if resident else "")
+           f"{'saved/mb':>10} " + (f"{'offload/step':>12} " if offloaded is not None else "") + \
+           f"{'bytes in':>10} {'bytes out':>10}" + (f" {'rank holds':>10}" if resident else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} "
                      + (f"{muon.get(r['stage'], 0):>5} " if muon else "") + f"{_fmt_bytes(r['param_bytes']):>10} "
                      f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
-                     f"{_fmt_bytes(r['saved_bytes']):>10} {_fmt_bytes(r['bytes_in']):>10} "
+                     f"{_fmt_bytes(r['saved_bytes']):>10} "
+                     + (f"{_fmt_bytes(offloaded.get(r['stage'], 0)):>12} " if offloaded is not None else "")
+                     + f"{_fmt_bytes(r['bytes_in']):>10} "
                      f"{_fmt_bytes(r['bytes_out']):>10}"
                      + (f" {_fmt_bytes(r['resident_bytes']):>10}" if resident else ""))
     if resident:

@@ -263,6 +263,136 @@ def offload_peaks(schedule, after_f, after_i, parked_f, parked_w) -> tuple[tuple
     return tuple(device), tuple(host)
 
 
+@lru_cache(maxsize=4096)
+def offload_points(name: str, pp: int, m: int, v: int) -> tuple:
+    """Per rank of a fixed-order schedule: (its stages, the distinct points where
+    ``offload_peaks``'s walk takes a peak), each point ``(counts, type, j)``: the microbatches
+    of each of its stages past F (not yet I/B) and past I (not yet W) as in
+    ``inflight_frontier``, and the action about to run there (its type and the index of its
+    stage; type None: between actions). Independent of the amounts, so cached; past the warm-up
+    the points repeat, and steady schedules are walked at ``steady_m`` as for the frontier."""
+    from autopar.schedules.registry import get
+
+    m_eff = steady_m(name, pp, m, v)
+    if m_eff != m:
+        return offload_points(name, pp, m_eff, v)
+    sched = get(name).make(pp, m, v) if name in _STEADY else fixed_schedule(name, pp, m, v)
+    s2r = sched.stage_to_rank
+    out = []
+    for r, acts in enumerate(sched.actions):
+        stages = tuple(s for s in range(len(s2r)) if s2r[s] == r)
+        idx = {s: j for j, s in enumerate(stages)}
+        k = len(stages)
+        st = [0] * (2 * k)
+        pts = set()
+        for a in acts:
+            j, t = idx[a.stage], a.type
+            pts.add((tuple(st), t, j))
+            if t == _F:
+                st[j] += 1
+            elif t == _I:
+                st[j] -= 1
+                st[k + j] += 1
+            elif t == _W:
+                st[k + j] -= 1
+            else:  # B
+                st[j] -= 1
+            pts.add((tuple(st), None, 0))
+        out.append((stages, tuple(sorted(pts, key=repr))))
+    return tuple(out)
+
+
+def offload_terms(stages, points, after_f, after_i, w_only) -> list[tuple[float, dict[int, float]]]:
+    """``offload_peaks``'s device bytes of one rank as linear functions of its stages' offload
+    shares: at every point of ``offload_points`` (the rank's ``stages`` and ``points``),
+    ``(c, {stage: coefficient})`` such that the bytes there are ``c + sum(coefficient *
+    share)`` (``w_only[s]``: of ``after_f[s]``, the bytes only W reads). A microbatch past F
+    keeps ``after_f - share * after_f`` on the device, one past I ``after_i - share * w_only``;
+    the action about to run adds its whole F output, or what it brings back. The rank's peak
+    at shares ``f`` is the largest of them."""
+    k = len(stages)
+    af = [after_f[s] for s in stages]
+    ai = [after_i[s] for s in stages]
+    pw = [min(w_only[s], after_f[s]) for s in stages]
+    out = []
+    for counts, t, j in points:
+        c = sum(counts[i] * af[i] + counts[k + i] * ai[i] for i in range(k))
+        coef = [-(counts[i] * af[i] + counts[k + i] * pw[i]) for i in range(k)]
+        if t == _F:
+            c += af[j]
+        elif t == _I:
+            coef[j] += af[j] - pw[j]
+        elif t == _W:
+            coef[j] += pw[j]
+        elif t is not None:  # B
+            coef[j] += af[j]
+        out.append((c, {s: x for s, x in zip(stages, coef) if x}))
+    return out
+
+
+def points_peaks(ranks, after_f, after_i, w_only, shares) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """``offload_peaks`` of a fixed-order schedule from its ``offload_points`` (``ranks``)
+    instead of a walk of every action: per rank, the device peak (the largest of
+    ``offload_terms`` at ``shares``, one per stage) and the host peak (the most parked bytes
+    at any point: microbatches past F park ``share * after_f``, past I ``share * w_only``)."""
+    device, host = [], []
+    for stages, points in ranks:
+        k = len(stages)
+        f = [shares[s] for s in stages]
+        away_f = [f[i] * after_f[s] for i, s in enumerate(stages)]
+        away_w = [f[i] * min(w_only[s], after_f[s]) for i, s in enumerate(stages)]
+        device.append(max((c + sum(x * shares[s] for s, x in coef.items())
+                           for c, coef in offload_terms(stages, points, after_f, after_i, w_only)), default=0.0))
+        host.append(max((sum(counts[i] * away_f[i] + counts[k + i] * away_w[i] for i in range(k))
+                         for counts, _, _ in points), default=0.0))
+    return tuple(device), tuple(host)
+
+
+def least_offload(points, budget: float, stages, copied) -> dict[int, float] | None:
+    """The smallest offload shares of one rank's ``stages`` that keep every point of
+    ``offload_terms`` within ``budget`` bytes, or None if parking all of them is not enough.
+    Stages are raised one at a time, the one whose full offload lowers the peak most per byte
+    it copies (``copied[s]``: a microbatch's bytes at share 1) first, each to the least share
+    that fits given the ones before (rounded up to 1/1000); ties by stage index."""
+    def peak(f):
+        return max(c + sum(k.get(s, 0.0) * x for s, x in f.items()) for c, k in points)
+
+    if not points:
+        return {s: 0.0 for s in stages}
+    shares = {s: 0.0 for s in stages}
+    base = peak(shares)
+    if base <= budget:
+        return shares
+    gain = {s: (base - peak({**shares, s: 1.0})) / max(copied[s], 1.0) for s in stages}
+    for s in sorted(stages, key=lambda t: (-gain[t], t)):
+        lower = 0.0
+        for c, k in points:
+            rest = c + sum(k.get(t, 0.0) * x for t, x in shares.items() if t != s)
+            if rest > budget:
+                ks = k.get(s, 0.0)
+                lower = max(lower, (rest - budget) / -ks if ks < 0 else math.inf)
+        shares[s] = 1.0 if lower >= 1.0 else math.ceil(lower * 1000 - 1e-9) / 1000
+        if peak(shares) <= budget * (1 + 1e-12):
+            return shares
+    return None
+
+
+def normal_offload(offload) -> float | tuple[float, ...]:
+    """An offload share in its one spelling: a number when every stage has the same (0.0 when
+    none is offloaded), else a tuple with one share per stage."""
+    if isinstance(offload, (tuple, list)):
+        shares = tuple(float(f) for f in offload)
+        return shares if len(set(shares)) > 1 else (shares[0] if shares else 0.0)
+    return float(offload)
+
+
+def offload_label(offload) -> str:
+    """``0.5`` or ``(1, 0.42, 0)``: how reports and labels print a (normal) offload share."""
+    if isinstance(offload, tuple):
+        return "(" + ", ".join(f"{f:.3g}" for f in offload) + ")"
+    return f"{offload:g}"
+
+
 @dataclass(frozen=True)
 class Layout:
     """The discrete choices of a plan (everything but boundaries and recompute)."""
@@ -276,11 +406,20 @@ class Layout:
     m: int            # microbatches per step (per dp replica)
     b: int            # samples per microbatch
     zero: int
-    offload: float = 0.0  # share of every stage's saved activations parked on the host between F and I/W
+    # share of each stage's saved activations parked on the host between F and I/W: one number
+    # for every stage, or a tuple with one per stage (``offload_shares``)
+    offload: float | tuple[float, ...] = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "offload", normal_offload(self.offload))
 
     @property
     def num_stages(self) -> int:
         return self.pp * self.v
+
+    def offload_of(self, stage: int) -> float:
+        """The share of ``stage``'s saved activations parked on the host."""
+        return self.offload[stage] if isinstance(self.offload, tuple) else self.offload
 
     @property
     def world(self) -> int:
@@ -288,7 +427,8 @@ class Layout:
 
     def label(self) -> str:
         return (f"pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} {self.schedule} v={self.v} "
-                f"m={self.m} b={self.b} zero={self.zero}" + (f" offload={self.offload:g}" if self.offload else ""))
+                f"m={self.m} b={self.b} zero={self.zero}"
+                + (f" offload={offload_label(self.offload)}" if self.offload else ""))
 
 
 @dataclass(frozen=True)
@@ -722,8 +862,7 @@ class Evaluator:
         walking the built schedule without building it at every m."""
         after_f, after_i = self.stage_amounts(lay, part, moe)
         if lay.offload:
-            sched = sched if sched is not None else fixed_schedule(lay.schedule, lay.pp, lay.m, lay.v)
-            return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))[0]
+            return self.offload_peaks(sched, lay, part, after_f, after_i)[0]
         if lay.schedule != "zb-auto" or sched is None:
             return frontier_peaks(inflight_frontier(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i)
         key = (id(sched), tuple(after_f), tuple(after_i))
@@ -734,21 +873,67 @@ class Evaluator:
         self._act_peaks[key] = (sched, peaks)
         return peaks
 
+    def offload_peaks(self, sched, lay: Layout, part: Partition, after_f, after_i) -> tuple[tuple, tuple]:
+        """Per rank under ``lay.offload``, the device and host peaks of saved activations
+        (``offload_peaks``): a fixed order's from its cached ``offload_points``, zb-auto's
+        from a walk of ``sched``."""
+        if lay.schedule != "zb-auto":
+            return points_peaks(offload_points(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i,
+                                self.w_only_bytes(lay, part, after_f), [lay.offload_of(s) for s in range(len(after_f))])
+        return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))
+
     def parked(self, lay: Layout, part: Partition, after_f) -> tuple[list[float], list[float]]:
         """Per stage under ``lay.offload``: the bytes of a microbatch parked on the host after
         its F, and of those what stays parked through I (what only W reads; at stage 0, whose I
         is empty, all of it). ``after_f``: ``stage_amounts``'s."""
+        w_only = self.w_only_bytes(lay, part, after_f)
+        return ([lay.offload_of(s) * a for s, a in enumerate(after_f)],
+                [lay.offload_of(s) * min(w, a) for s, (w, a) in enumerate(zip(w_only, after_f))])
+
+    def w_only_bytes(self, lay: Layout, part: Partition, after_f) -> list[float]:
+        """Per stage, of a microbatch's saved bytes, what only W reads (at stage 0, whose I is
+        empty, all of it)."""
         sc = self.scale(lay)
-        w_only = [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
-                  for s, kinds in enumerate(self.stage_kinds(part))]
-        return [lay.offload * a for a in after_f], [lay.offload * min(w, a) for w, a in zip(w_only, after_f)]
+        return [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
+                for s, kinds in enumerate(self.stage_kinds(part))]
+
+    def least_offload(self, lay: Layout, part: Partition) -> tuple[float, ...] | None:
+        """Per stage, the smallest share of its saved activations to park on the host for every
+        rank of ``lay`` (a fixed-order schedule) at ``part`` to fit the memory limit, or None if
+        no shares do (or the order is searched, zb-auto). A rank's budget for saved activations
+        is the limit less everything else it holds (``memory``'s rows without the activations
+        and the reduction buffers that reuse their memory); each rank's shares come from the walk
+        of its actions (``offload_terms``, ``least_offload``): its stages whose microbatches wait
+        longest between F and I/W first, the others not at all where those suffice. Each copy
+        then costs what F and I do not hide (``stage_costs``), so the least shares are the
+        cheapest that fit."""
+        from autopar.schedules.registry import layout as stage_layout
+
+        if lay.schedule == "zb-auto":
+            return None
+        plain = replace(lay, offload=0.0)
+        S = lay.num_stages
+        s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
+        rows, totals = self.memory(plain, part, s2r, self.activation_peaks(None, plain, part), split_moe=False)
+        after_f, after_i = self.stage_amounts(lay, part)
+        w_only = self.w_only_bytes(lay, part, after_f)
+        shares = [0.0] * S
+        for row, total, (stages, points) in zip(rows, totals, offload_points(lay.schedule, lay.pp, lay.m, lay.v)):
+            act = row["activations"] + row["moe receive"]
+            budget = self.memory_limit - (total - act - row["dp buckets"] - row["zero-1 buffers"])
+            got = least_offload(offload_terms(stages, points, after_f, after_i, w_only), budget, stages, after_f)
+            if got is None:
+                return None
+            for s, f in got.items():
+                shares[s] = f
+        return tuple(shares)
 
     def offload_report(self, lay: Layout, part: Partition, sched, costs: Costs) -> tuple[tuple, tuple]:
         """Per pp rank under ``lay.offload``: the peak of the bytes parked on the host
         (``offload_peaks``) and the copy time its F and I/B do not hide over the step (each of
         its stages runs m of each)."""
         after_f, after_i = self.stage_amounts(lay, part)
-        host = offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))[1]
+        host = self.offload_peaks(sched, lay, part, after_f, after_i)[1]
         plain = self.stage_costs(replace(lay, offload=0.0), part)
         s2r = sched.stage_to_rank
         exposed = tuple(lay.m * sum(costs.f[s] - plain.f[s] + costs.i[s] - plain.i[s]

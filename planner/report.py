@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import sympy
 
-from .estimate import Estimate, GiB
+from .estimate import Estimate, GiB, offload_label
 from .search import Candidate, PlanResult
 
 
@@ -244,15 +244,34 @@ def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
 
 
 def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
-    """The activation offload of the plan: the share, and per pp rank the most bytes parked on
-    the host at once and the copy time compute does not hide."""
+    """The activation offload of the plan: the share (per stage when they differ), and per pp
+    rank the most bytes parked on the host at once and the copy time compute does not hide
+    (past 8 ranks or stages: the extremes; ``--json`` has every one)."""
     if not c.offload:
         return ["  activation offload: not used (this plan fits faster without it)"] if res.evaluator.offloading else []
     est = c.estimate
-    per_rank = ", ".join(f"rank {r}: {h / GiB:.2f} GiB parked, {t * 1e3:.3g} ms exposed"
-                         for r, (h, t) in enumerate(zip(est.host_bytes, est.offload_exposed_s)))
-    return [f"  activation offload: {c.offload:g} of every stage's saved activations on the host between F and "
-            f"I/W ({per_rank})"]
+    if not isinstance(c.offload, tuple):
+        share = f"{c.offload:g} of every stage's saved activations"
+    elif len(c.offload) <= 8:
+        share = f"per stage {offload_label(c.offload)} of its saved activations"
+    else:
+        used = [s for s, f in enumerate(c.offload) if f]
+        hi, lo = max(used, key=lambda s: (c.offload[s], -s)), min(used, key=lambda s: (c.offload[s], s))
+        share = (f"on {len(used)} of {len(c.offload)} stages, from {c.offload[hi]:.3g} (stage {hi}) to "
+                 f"{c.offload[lo]:.3g} (stage {lo}) of their saved activations")
+    if isinstance(c.offload, tuple):
+        share += " (per stage the least that fits, the stages whose microbatches wait longest first)"
+    pairs = list(zip(est.host_bytes, est.offload_exposed_s))
+    if len(pairs) <= 8:
+        per_rank = ", ".join(f"rank {r}: {h / GiB:.2f} GiB parked, {t * 1e3:.3g} ms exposed"
+                             for r, (h, t) in enumerate(pairs))
+    else:
+        r_h = max(range(len(pairs)), key=lambda r: pairs[r][0])
+        r_t = max(range(len(pairs)), key=lambda r: pairs[r][1])
+        per_rank = (f"{sum(h > 0 for h, _ in pairs)} of {len(pairs)} ranks park; the most: rank {r_h}, "
+                    f"{pairs[r_h][0] / GiB:.2f} GiB; the most exposed copy time: rank {r_t}, "
+                    f"{pairs[r_t][1] * 1e3:.3g} ms")
+    return [f"  activation offload: {share} on the host between F and I/W ({per_rank})"]
 
 
 def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:

@@ -35,6 +35,7 @@ from .estimate import (
     divisors,
     inflight_frontier,
     max_inflight,
+    normal_offload,
     runtime_overhead,
 )
 from .ilp import DEFAULT_NODES, ILPResult, solve_partition
@@ -141,7 +142,7 @@ class Candidate:
     ilp: ILPResult | None = None
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
     loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
-    offload: float = 0.0                # share of the saved activations parked on the host (runtime/offload.py)
+    offload: float | tuple[float, ...] = 0.0  # share of the saved activations parked on the host (Layout.offload)
 
     @property
     def priced_layout(self) -> Layout:
@@ -628,38 +629,42 @@ class _Screen:
         return c
 
 
-# activation offload fractions the search prices where memory binds (runtime/offload.py): all of
-# it; a smaller share would save copy time where the copies are exposed, at a pipeline more each
-OFFLOAD_FRACTIONS = (1.0,)
-
-
 def _simulate(ev: Evaluator, c: Candidate) -> bool:
     """``_simulate_one``, and where memory binds (over the limit, or fitting only by
     recomputing), the same layout with the memory features the model allows: the loss chunked
-    (``Evaluator.chunked``) and saved activations offloaded (``OFFLOAD_FRACTIONS``, unless the
-    evaluator's ``offloading`` is off). The strongest combination is priced first; if even it
-    does not fit, the layout stays as it was priced; else every combination is priced and the
-    fastest that fits is kept (``loss_chunk`` and ``offload`` say which). Both features only
-    add work (a recomputed head GEMM, copies), so where memory does not bind neither is used.
-    The variants do not count against the search's budget of simulated actions (counting them
-    stops the search sooner, on layouts it would have found faster)."""
+    (``Evaluator.chunked``) and saved activations offloaded (unless the evaluator's
+    ``offloading`` is off): the least share per stage that fits without recomputing
+    (``Evaluator.least_offload``: the stages whose microbatches wait longest first; fixed-order
+    schedules) where there is one, else all of every stage's saved activations. The strongest
+    combination is priced first; if even it does not fit, the layout stays as it was priced;
+    else every combination is priced and the fastest that fits is kept (``_lighter``;
+    ``loss_chunk`` and ``offload`` say which). Both features only add work (a recomputed head GEMM, copies), so
+    where memory does not bind neither is used. The variants do not count against the search's
+    budget of simulated actions (counting them stops the search sooner, on layouts it would
+    have found faster)."""
     timed = _simulate_one(ev, c)
     if not _binds(c):
         return timed
     chunked = ev.chunked
-    offloads = OFFLOAD_FRACTIONS if ev.offloading else ()
-    variants = [(e, f) for e in ((ev, chunked) if chunked is not None else (ev,)) for f in (0.0,) + offloads
-                if e is not ev or f]
+    evs = (ev, chunked) if chunked is not None else (ev,)
+    variants = [(e, 0.0) for e in evs if e is not ev]
+    if ev.offloading:
+        for e in evs:  # the least shares where some fit (more only adds copies), else everything
+            least = _least_offload(e, c.layout)
+            if least is None:
+                variants.append((e, 1.0))
+            elif least != 0.0:
+                variants.append((e, least))
     if not variants:
         return timed
     # strongest first: least memory
-    order = sorted(variants, key=lambda v: (v[0] is ev, -v[1]))
+    order = sorted(variants, key=lambda v: (v[0] is ev, v[1] != 1.0))
     best, best_timed = None, timed
     for k, (e, f) in enumerate(order):
         other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens if e is not ev else 0,
                           offload=f)
         t = _simulate_one(e, other)
-        if other.status == "feasible" and (best is None or other.time < best.time):
+        if other.status == "feasible" and (best is None or _lighter(other) < _lighter(best)):
             best, best_timed = other, t
         if k == 0 and other.status != "feasible":
             if c.status != "feasible" and other.peak is not None and (c.peak is None or other.peak < c.peak):
@@ -670,6 +675,22 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
         c.loss_chunk, c.offload = best.loss_chunk, best.offload
         return best_timed
     return timed
+
+
+def _lighter(c: Candidate) -> tuple:
+    """How ``_simulate`` ranks the variants that fit: the fastest, then (a tie where the copies
+    hide behind compute) the fewest bytes offloaded, then the loss as captured."""
+    shares = c.offload if isinstance(c.offload, tuple) else (c.offload,) * c.layout.num_stages
+    return c.time, sum(shares), c.loss_chunk != 0
+
+
+def _least_offload(ev: Evaluator, lay: Layout):
+    """``Evaluator.least_offload`` at the balanced boundaries ``_simulate_one`` prices, without
+    recomputation (normalized: one number when every stage has the same share)."""
+    S = lay.num_stages
+    bounds = balanced_partition(_unit_totals(ev, lay), S)
+    least = ev.least_offload(lay, Partition(bounds, (False,) * S))
+    return None if least is None else normal_offload(least)
 
 
 def _binds(c: Candidate) -> bool:

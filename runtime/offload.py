@@ -7,8 +7,9 @@ that reads it: before I the ones I reads, before W the rest (tensors only W read
 through I), before a fused B all of them.
 
 Which tensors: per stage, once, at build (``choose``): of the floating values F leaves for I/W
-(saved values and kept stage inputs: the *eligible* bytes), the largest first while their sum
-stays within ``fraction`` of the eligible bytes (all of them at 1.0). At run time they are
+(saved values and kept stage inputs: the *eligible* bytes), at least ``fraction`` of the
+eligible bytes, overshooting little (``at_least``; all of them at 1.0, none at 0): the planner
+prices exactly that share, so the run holds no more than it predicted. At run time they are
 parked by storage: each storage once, with every chosen value that views it, and not at all when
 anything else still holds it (another value the env keeps, the outputs on their way to the next
 stage, the data, a parameter: the copy would free nothing). A storage's bytes are copied as
@@ -133,21 +134,32 @@ def eligible_bytes(prog) -> dict[str, int]:
 
 
 def choose(prog, fraction: float) -> frozenset[str]:
-    """The keys stage ``prog`` offloads at ``fraction`` of its eligible bytes: the largest first,
-    while their sum stays within the fraction (module docstring)."""
-    sizes = eligible_bytes(prog)
+    """The keys stage ``prog`` offloads at ``fraction`` of its eligible bytes: at least that
+    share, so that what the planner priced fits (module docstring)."""
+    return frozenset(at_least(eligible_bytes(prog), fraction))
+
+
+def at_least(sizes: dict[str, int], fraction: float) -> list[str]:
+    """Keys of ``sizes`` whose bytes sum to at least ``fraction`` of all of them, overshooting
+    little: the largest first while they stay within the share, then, if short, the smallest
+    one left (each one left closes the gap: it was skipped for exceeding it). Ties by key."""
     budget = fraction * sum(sizes.values())
-    chosen, total = [], 0
+    chosen, total, rest = [], 0, []
     for key, n in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
         if total + n <= budget * (1 + 1e-9):
             chosen.append(key)
             total += n
-    return frozenset(chosen)
+        else:
+            rest.append((n, key))
+    if total < budget * (1 - 1e-9) and rest:
+        chosen.append(min(rest)[1])
+    return chosen
 
 
 class ActivationOffload:
     """The runtime policy of one process: per stage the keys it parks (``choose``), the pool,
-    the copies, and what it moved (``offloaded_bytes``: per step, the bytes copied out)."""
+    the copies, and what it moved (``offloaded_bytes``: per step, the bytes copied out;
+    ``stage_bytes``: the same per stage)."""
 
     def __init__(self, programs: dict, fractions: dict[int, float], device: torch.device):
         self.device = device
@@ -158,6 +170,7 @@ class ActivationOffload:
         self.parked: dict[tuple[int, int], dict[str, _Parked]] = {}
         self.ready: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # prefetched, copy back in flight
         self.offloaded_bytes = 0
+        self.stage_bytes: dict[int, int] = {}
         self._state: set[int] = set()  # storage handles of the parameters and buffers, per step
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         # the distributed executor starts each copy back one action ahead (runtime/distributed.py
@@ -179,6 +192,7 @@ class ActivationOffload:
             self._side.synchronize()
         self._recycle()
         self.offloaded_bytes = 0
+        self.stage_bytes = {}
         self._state = {t.untyped_storage()._cdata for t in _tensors(list(state.values()))}
 
     # -- out -----------------------------------------------------------------------------------
@@ -210,6 +224,7 @@ class ActivationOffload:
                 if st._cdata not in boxes:
                     boxes[st._cdata] = self._copy_out(st)
                     self.offloaded_bytes += st.nbytes()
+                    self.stage_bytes[s] = self.stage_bytes.get(s, 0) + st.nbytes()
             parked[key] = _park(env.pop(key), boxes)
 
     def _copy_out(self, st) -> _Storage:

@@ -912,10 +912,20 @@ def test_planner_offloads_activations_where_memory_binds():
     assert parked < plain
     limit = (plain + parked) / 2
     res = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, **kw))
-    assert res.chosen is not None and res.chosen.offload > 0
-    assert not any(res.chosen.estimate.partition.recompute)
-    assert max(res.chosen.estimate.peak_memory) <= limit
-    assert to_plan(res, res.chosen).offload == res.chosen.offload
+    c = res.chosen
+    assert c is not None and c.offload
+    assert not any(c.estimate.partition.recompute)
+    assert max(c.estimate.peak_memory) <= limit
+    assert to_plan(res, c).offload == c.offload
+    # per stage, the least share that fits: under 1f1b the last stage's F is followed by its own B
+    # (nothing to gain there), and the first stage's share is the least the evaluator accepts
+    assert c.layout.schedule == "1f1b" and isinstance(c.offload, tuple), c.offload
+    first, last = c.offload
+    assert last == 0 and 0 < first < 1
+    ev = Evaluator(prof, dev, limit, 8)
+    for share, fits in ((first, True), (first - 0.01, False)):
+        est = ev.evaluate(dataclasses.replace(c.layout, offload=(share, 0.0)), c.estimate.partition)
+        assert est.feasible == fits, (share, est.peak_memory, limit)
     from autopar.planner.report import text
 
     host = res.chosen.estimate.host_bytes
@@ -923,6 +933,83 @@ def test_planner_offloads_activations_where_memory_binds():
     without = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, offloading=False, **kw)).chosen
     assert without is None or (any(without.estimate.partition.recompute) and res.chosen.time < without.time)
     assert plan(prof, dev, Request(memory_limit=80e9, **kw)).chosen.offload == 0
+
+
+@pytest.mark.parametrize("name,pp,m", [("1f1b", 3, 9), ("zb-h1", 3, 8), ("zbv", 2, 9), ("dualpipev", 2, 10),
+                                       ("interleaved-1f1b", 2, 8), ("v-min", 3, 9), ("v-half", 2, 6),
+                                       ("gpipe", 2, 5)])
+def test_offload_points_give_the_walks_peaks(name, pp, m):
+    """The planner's offload peaks from cached count points (``points_peaks``, walked at
+    ``steady_m`` past the warm-up) equal ``offload_peaks`` walking every action of the schedule
+    built at the full m, device and host, for uneven amounts and shares per stage."""
+    import random
+
+    from autopar.planner.estimate import offload_peaks, offload_points, points_peaks
+    from autopar.schedules import default_stages_per_rank
+
+    v = default_stages_per_rank(name)
+    sched = build(name, pp, m, v)
+    rng = random.Random(pp * 100 + m)
+    S = pp * v
+    for _ in range(3):
+        after_f = [rng.uniform(100, 1000) for _ in range(S)]
+        after_i = [a * rng.uniform(0.5, 1.5) for a in after_f]
+        w_only = [a * rng.uniform(0, 0.8) for a in after_f]
+        shares = [rng.choice((0.0, 1.0, rng.random())) for _ in range(S)]
+        want = offload_peaks(sched, after_f, after_i, [f * a for f, a in zip(shares, after_f)],
+                             [f * min(w, a) for f, w, a in zip(shares, w_only, after_f)])
+        got = points_peaks(offload_points(name, pp, m, v), after_f, after_i, w_only, shares)
+        for g, w in zip(got, want):
+            assert g == pytest.approx(w, rel=1e-12), (name, got, want)
+
+
+def test_least_offload_shares_by_hand():
+    """Issue 35 item 2: the least offload shares that fit a rank's budget, from the points of its
+    actions' walk. 1F1B at pp=2, m=4, a microbatch keeps ``a`` bytes after F: rank 0 holds 2
+    microbatches after its warm-up F; at share f its peak is a(2 - f) (when B0 brings back what
+    F0 parked while F1's whole output is on the device), so a budget of 1.5a needs f = 0.5;
+    rank 1 runs B right after each F and never holds more than a: nothing to offload; a budget
+    below a fits at no share. Under zbv (two stages a rank) at m=10, past the warm-up the points
+    are taken from (``steady_m``), the shares found fit by ``offload_peaks`` walking the whole
+    built schedule, and where one stage sufficed a hair less of it does not fit."""
+    from autopar.planner.estimate import least_offload, offload_peaks, offload_points, offload_terms
+
+    a = 1000.0
+
+    def terms(name, pp, m, v, r, after_f, after_i, w_only):
+        stages, points = offload_points(name, pp, m, v)[r]
+        return stages, offload_terms(stages, points, after_f, after_i, w_only)
+
+    got = [least_offload(terms("1f1b", 2, 4, 1, r, (a, a), (a, a), (0.0, 0.0))[1], 1.5 * a, [r], (a, a))
+           for r in range(2)]
+    assert got == [{0: 0.5}, {1: 0.0}]
+    assert least_offload(terms("1f1b", 2, 4, 1, 0, (a, a), (a, a), (0.0, 0.0))[1], 0.99 * a, [0], (a, a)) is None
+    zbv = build("zbv", 2, 10)
+    after_f, after_i, w_only = (4000.0, 3000.0, 2000.0, 1000.0), (4500.0, 3200.0, 2600.0, 1400.0), (900.0,) * 4
+
+    def peak(f, r):
+        return offload_peaks(zbv, after_f, after_i, [x * y for x, y in zip(f, after_f)],
+                             [x * min(w, y) for x, w, y in zip(f, w_only, after_f)])[0][r]
+    cases = set()
+    for r in range(2):
+        stages, lin = terms("zbv", 2, 10, 2, r, after_f, after_i, w_only)
+        full = peak([0.0] * 4, r)
+        assert full == max(c for c, _ in lin)
+        for budget in (0.9 * full, 0.7 * full, 0.5 * full):
+            shares = least_offload(lin, budget, list(stages), after_f)
+            if shares is None:  # then parking everything of the rank is not enough
+                assert peak([1.0 if s in stages else 0.0 for s in range(4)], r) > budget
+                cases.add("none")
+                continue
+            f = [shares.get(s, 0.0) for s in range(4)]
+            assert peak(f, r) <= budget * (1 + 1e-9), (r, budget, shares)
+            raised = [s for s in stages if f[s] > 0]
+            cases.add(len(raised))
+            if len(raised) == 1:
+                lower = list(f)
+                lower[raised[0]] -= 0.002
+                assert peak(lower, r) > budget, (r, budget, shares)
+    assert cases == {1, 2, "none"}
 
 
 # ------------------------------------------------------------- Muon (issue 36 item 3)
