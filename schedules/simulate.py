@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from autopar.schedules.costs import Costs, activation_units, as_costs
-from autopar.schedules.deps import Key, needs, produces
+from autopar.schedules.deps import needs, produces
 from autopar.schedules.ir import COMPUTE_TYPES, Action, B, F, I, Schedule, W
 
 
@@ -95,10 +95,56 @@ def comm_delays(num_stages: int, p2p_latency: float, p2p_bandwidth: float | None
     return tuple(delays)
 
 
+_TYPE_CODE = {F: 0, I: 1, W: 2, B: 3}
+_KIND_CODE = {"F": 0, "G": 1, "I": 2}
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """A schedule's actions as integers, made once per schedule (``_compiled``): per rank, each
+    action's code (type code * S + stage: also its index into the durations) and microbatch;
+    per code, the keys it needs as (key base, boundary whose transfer delay is added, or -1 on
+    the same rank) and the key bases it produces, from ``deps.needs`` / ``deps.produces`` (a
+    key of microbatch k is its base + k: keys ``(stage, kind, k)`` are numbered
+    ``(stage * 3 + kind) * M + k``)."""
+    codes: tuple[tuple[int, ...], ...]
+    mbs: tuple[tuple[int, ...], ...]
+    needs: tuple[tuple[tuple[int, int], ...], ...]
+    makes: tuple[tuple[int, ...], ...]
+    keys: int
+
+
+def _compiled(schedule: Schedule) -> _Compiled:
+    hit = schedule.__dict__.get("_sim_compiled")
+    if hit is not None:
+        return hit
+    S, owner = schedule.num_stages, schedule.stage_to_rank
+    M = 1 + max((a.microbatch for acts in schedule.actions for a in acts), default=0)
+    types = [F, I, W, B]
+    need, make = [], []
+    for t in types:
+        for st in range(S):
+            a = Action(st, t, 0)
+            need.append(tuple(((n[0] * 3 + _KIND_CODE[n[1]]) * M, min(n[0], st) if owner[n[0]] != owner[st] else -1)
+                              for n in needs(a, S)))
+            make.append(tuple((k[0] * 3 + _KIND_CODE[k[1]]) * M for k in produces(a)))
+    codes, mbs = [], []
+    for acts in schedule.actions:
+        bad = [a for a in acts if a.type not in COMPUTE_TYPES]
+        if bad:
+            raise ValueError(f"simulate takes compute actions only (F, I, W, B), got {bad[0]}; simulate before lower()")
+        codes.append(tuple(_TYPE_CODE[a.type] * S + a.stage for a in acts))
+        mbs.append(tuple(a.microbatch for a in acts))
+    out = _Compiled(tuple(codes), tuple(mbs), tuple(need), tuple(make), S * 3 * M)
+    object.__setattr__(schedule, "_sim_compiled", out)  # the schedule is frozen; this is a cache of it
+    return out
+
+
 def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandwidth: float | None = None,
              stage_bytes: Sequence[float] | None = None, *, message_bytes: Sequence[float] | None = None,
-             i_free_fraction: float = 0.5) -> SimResult:
+             i_free_fraction: float = 0.5, memory: bool = True) -> SimResult:
     """Replay ``schedule`` with ``costs`` (per-rank (F, I, W[, B]), a ``Costs``, or None = unit).
+    ``memory=False``: leave ``peak_memory`` empty (its walk is not needed by every caller).
 
     Raises ValueError if the order cannot complete (an action waits on one that never runs);
     ``validate()`` explains such schedules in more detail.
@@ -106,69 +152,73 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
     c: Costs = as_costs(costs, schedule.stage_to_rank)
     S, pp = schedule.num_stages, schedule.pp
     delay = comm_delays(S, p2p_latency, p2p_bandwidth, message_bytes)
-    owner = schedule.stage_to_rank
-    done: dict[Key, float] = {}  # deps key -> time the value exists on its producer's rank
-
-    def ready(a: Action) -> float | None:
-        """Earliest time ``a``'s inputs exist on its rank, or None if some input is not produced yet.
-
-        An input from a stage on another rank arrives ``delay[b]`` after it was made, b the
-        boundary between the two (adjacent) stages.
-        """
-        if a.type not in COMPUTE_TYPES:
-            raise ValueError(f"simulate takes compute actions only (F, I, W, B), got {a}; simulate before lower()")
-        t = 0.0
-        for need in needs(a, S):
-            e = done.get(need)
-            if e is None:
-                return None
-            src = need[0]
-            t = max(t, e + (delay[min(src, a.stage)] if owner[src] != owner[a.stage] else 0.0))
-        return t
-
-    def finish(a: Action, end: float) -> None:
-        done.update(dict.fromkeys(produces(a), end))
-
+    comp = _compiled(schedule)
+    dur_of = list(c.f) + list(c.i) + list(c.w) + [c.backward(s) for s in range(S)]
+    # An input from a stage on another rank arrives delay[b] after it was made, b the boundary
+    # between the two (adjacent) stages; -1.0: not produced yet (times are >= 0)
+    done = [-1.0] * comp.keys
     free = [0.0] * pp
     busy = [0.0] * pp
     pos = [0] * pp
     ovl = [schedule.overlaps(r) for r in range(pp)]
     rows: list[list[tuple[int, Action, float, float]]] = [[] for _ in range(pp)]
     remaining = sum(len(a) for a in schedule.actions)
+    fb = c.fb_ratio
+
+    def ready(code: int, k: int) -> float:
+        t = 0.0
+        for base, bnd in need_of[code]:
+            e = done[base + k]
+            if e < 0.0:
+                return -1.0
+            if bnd >= 0:
+                e += delay[bnd]
+            if e > t:
+                t = e
+        return t
+
+    need_of, make_of = comp.needs, comp.makes
     while remaining:
         progressed = False
         for r in range(pp):
             acts = schedule.actions[r]
-            while pos[r] < len(acts):
-                a = acts[pos[r]]
-                if pos[r] in ovl[r]:
-                    b = acts[pos[r] + 1]
-                    ta, tb = ready(a), ready(b)
-                    if ta is None or tb is None:
+            n = len(acts)
+            code_r, k_r, ovl_r, row = comp.codes[r], comp.mbs[r], ovl[r], rows[r]
+            i, f_r, b_r = pos[r], free[r], busy[r]
+            while i < n:
+                code, k = code_r[i], k_r[i]
+                if ovl_r and i in ovl_r:
+                    code2, k2 = code_r[i + 1], k_r[i + 1]
+                    ta, tb = ready(code, k), ready(code2, k2)
+                    if ta < 0.0 or tb < 0.0:
                         break
-                    start = max(free[r], ta, tb)
-                    dur = c.fb_ratio * (c.of(a.type, a.stage) + c.of(b.type, b.stage))
+                    start = max(f_r, ta, tb)
+                    dur = fb * (dur_of[code] + dur_of[code2])
                     end = start + dur
-                    finish(a, end)
-                    finish(b, end)
-                    rows[r].append((r, a, start, end))
-                    rows[r].append((r, b, start, end))
+                    for base in make_of[code]:
+                        done[base + k] = end
+                    for base in make_of[code2]:
+                        done[base + k2] = end
+                    row.append((r, acts[i], start, end))
+                    row.append((r, acts[i + 1], start, end))
                     step = 2
                 else:
-                    t = ready(a)
-                    if t is None:
+                    t = ready(code, k)
+                    if t < 0.0:
                         break
-                    start = max(free[r], t)
-                    dur = c.of(a.type, a.stage)
+                    start = f_r if f_r > t else t
+                    dur = dur_of[code]
                     end = start + dur
-                    finish(a, end)
-                    rows[r].append((r, a, start, end))
+                    for base in make_of[code]:
+                        done[base + k] = end
+                    row.append((r, acts[i], start, end))
                     step = 1
-                free[r] = end
-                busy[r] += dur
-                pos[r] += step
+                f_r = end
+                b_r += dur
+                i += step
                 remaining -= step
                 progressed = True
+            pos[r], free[r], busy[r] = i, f_r, b_r
         if not progressed:
             stuck = ", ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in range(pp)
                               if pos[r] < len(schedule.actions[r]))
@@ -178,5 +228,5 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
     unit = "bytes" if stage_bytes is not None else "M_B"
     return SimResult(makespan=makespan, bubble_fraction=bubble, busy=tuple(busy),
-                     peak_memory=peak_memory(schedule, stage_bytes, i_free_fraction), memory_unit=unit,
-                     timeline=tuple(x for row in rows for x in row))
+                     peak_memory=peak_memory(schedule, stage_bytes, i_free_fraction) if memory else (),
+                     memory_unit=unit, timeline=tuple(x for row in rows for x in row))
