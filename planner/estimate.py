@@ -269,8 +269,9 @@ def offload_points(name: str, pp: int, m: int, v: int) -> tuple:
     ``offload_peaks``'s walk takes a peak), each point ``(counts, type, j)``: the microbatches
     of each of its stages past F (not yet I/B) and past I (not yet W) as in
     ``inflight_frontier``, and the action about to run there (its type and the index of its
-    stage; type None: between actions). Independent of the amounts, so cached; past the warm-up
-    the points repeat, and steady schedules are walked at ``steady_m`` as for the frontier."""
+    stage; type None: between actions), without the ones another point of the same action
+    dominates. Independent of the amounts, so cached; past the warm-up the points repeat, and
+    steady schedules are walked at ``steady_m`` as for the frontier."""
     from autopar.schedules.registry import get
 
     m_eff = steady_m(name, pp, m, v)
@@ -298,8 +299,25 @@ def offload_points(name: str, pp: int, m: int, v: int) -> tuple:
             else:  # B
                 st[j] -= 1
             pts.add((tuple(st), None, 0))
-        out.append((stages, tuple(sorted(pts, key=repr))))
+        # a point whose counts another point of the same action type and stage has at least
+        # as many of never holds more (every count multiplies bytes >= 0 at any shares, as
+        # what only W reads is within what a microbatch keeps after I): only the others count
+        keep = []
+        for group in _groups(pts):
+            front: list = []
+            for p in sorted(group, reverse=True):
+                if not any(all(x >= y for x, y in zip(q[0], p[0])) for q in front):
+                    front.append(p)
+            keep += front
+        out.append((stages, tuple(sorted(keep, key=repr))))
     return tuple(out)
+
+
+def _groups(points) -> list[list]:
+    by: dict = {}
+    for p in points:
+        by.setdefault((p[1], p[2]), []).append(p)
+    return [by[k] for k in sorted(by, key=repr)]
 
 
 def offload_terms(stages, points, after_f, after_i, w_only) -> list[tuple[float, dict[int, float]]]:
@@ -758,7 +776,7 @@ class Evaluator:
         S = len(part.bounds) - 1
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
-        parked_bytes = self.parked(lay, part, self.stage_amounts(lay, part)[0])[0] if lay.offload else []
+        parked_bytes = self.parked(lay, part, *self.stage_amounts(lay, part))[0] if lay.offload else []
         for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
             tf = ti = tw = cf = ci = 0.0
             for k in kinds:
@@ -879,22 +897,23 @@ class Evaluator:
         from a walk of ``sched``."""
         if lay.schedule != "zb-auto":
             return points_peaks(offload_points(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i,
-                                self.w_only_bytes(lay, part, after_f), [lay.offload_of(s) for s in range(len(after_f))])
-        return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f))
+                                self.w_only_bytes(lay, part, after_f, after_i),
+                                [lay.offload_of(s) for s in range(len(after_f))])
+        return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f, after_i))
 
-    def parked(self, lay: Layout, part: Partition, after_f) -> tuple[list[float], list[float]]:
+    def parked(self, lay: Layout, part: Partition, after_f, after_i) -> tuple[list[float], list[float]]:
         """Per stage under ``lay.offload``: the bytes of a microbatch parked on the host after
         its F, and of those what stays parked through I (what only W reads; at stage 0, whose I
         is empty, all of it). ``after_f``: ``stage_amounts``'s."""
-        w_only = self.w_only_bytes(lay, part, after_f)
+        w_only = self.w_only_bytes(lay, part, after_f, after_i)
         return ([lay.offload_of(s) * a for s, a in enumerate(after_f)],
                 [lay.offload_of(s) * min(w, a) for s, (w, a) in enumerate(zip(w_only, after_f))])
 
-    def w_only_bytes(self, lay: Layout, part: Partition, after_f) -> list[float]:
+    def w_only_bytes(self, lay: Layout, part: Partition, after_f, after_i) -> list[float]:
         """Per stage, of a microbatch's saved bytes, what only W reads (at stage 0, whose I is
-        empty, all of it)."""
+        empty, all of it), within what it keeps after F and after I (``stage_amounts``)."""
         sc = self.scale(lay)
-        return [after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc
+        return [min(after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc, after_f[s], after_i[s])
                 for s, kinds in enumerate(self.stage_kinds(part))]
 
     def least_offload(self, lay: Layout, part: Partition) -> tuple[float, ...] | None:
@@ -916,7 +935,7 @@ class Evaluator:
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         rows, totals = self.memory(plain, part, s2r, self.activation_peaks(None, plain, part), split_moe=False)
         after_f, after_i = self.stage_amounts(lay, part)
-        w_only = self.w_only_bytes(lay, part, after_f)
+        w_only = self.w_only_bytes(lay, part, after_f, after_i)
         shares = [0.0] * S
         for row, total, (stages, points) in zip(rows, totals, offload_points(lay.schedule, lay.pp, lay.m, lay.v)):
             act = row["activations"] + row["moe receive"]
