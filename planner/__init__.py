@@ -17,7 +17,7 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None, precision=None,
                input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
                hf_config: str | None = None, loss_chunking: bool = True, offloading: bool = True,
-               optimizer: str = "adamw"):
+               optimizer: str = "adamw", profile_cache: bool = False):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
@@ -33,9 +33,10 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     also price the model's LM head + cross-entropy chunked (``Plan.loss_chunk_tokens``);
     ``offloading``: and saved activations parked on the host (``Plan.offload``). ``optimizer``:
     "adamw" or "muon" (``autopar.Muon``: one momentum per hidden-matrix element instead of Adam's
-    two, and Newton-Schulz on the matrices each rank steps)."""
+    two, and Newton-Schulz on the matrices each rank steps). ``profile_cache``: read the model's
+    profile from the disk cache, and write it there (planner/profile_cache.py; models on the
+    meta device only: a profile timed on this machine is never cached)."""
     from .devices import current_profile
-    from .profile import profile_model
     from .search import Request, plan
 
     if hf_config is not None:
@@ -51,10 +52,11 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     elif model is None or inputs is None:
         raise ValueError("plan_model: give a model and its example inputs, or hf_config=")
     device = device or current_profile()
-    prof = profile_model(model, inputs, target, loss_fn, name=name, layer_repeats=layer_repeats,
-                         expert_prefixes=expert_prefixes, n_heads=n_heads, n_experts=n_experts,
-                         seq_len=seq_len, progress=progress, moe=moe,
-                         param_dtype=precision.param_dtype if precision is not None else None, input_names=input_names)
+    options = dict(name=name, layer_repeats=layer_repeats, expert_prefixes=tuple(expert_prefixes), n_heads=n_heads,
+                   n_experts=n_experts, seq_len=seq_len, moe=moe, input_names=input_names,
+                   param_dtype=precision.param_dtype if precision is not None else None)
+    cps = tuple(cp for cp in range(2, gpus + 1) if gpus % cp == 0) if allow_cp else ()
+    prof, verdicts, cached = _profile(model, inputs, target, loss_fn, options, cps, profile_cache, progress)
     kw = {}
     if moe_imbalance is not None:
         kw["moe_imbalance"] = float(moe_imbalance)
@@ -63,15 +65,11 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     if ilp_nodes is not None:
         kw["ilp_nodes"] = int(ilp_nodes)
     blocker = None
-    if allow_cp and prof.captured is not None:
-        from functools import lru_cache
-
-        from autopar.passes.context_parallel import context_parallel_blocker
-
-        blocker = lru_cache(maxsize=None)(lambda cp: context_parallel_blocker(prof.captured, cp))
-        for cp in range(2, gpus + 1):
-            if gpus % cp == 0 and progress is not None:
-                why = blocker(cp)
+    if allow_cp and (prof.captured is not None or cached):
+        blocker = verdicts.__getitem__
+        for cp in cps:
+            if progress is not None:
+                why = verdicts[cp]
                 progress(f"cp={cp}: " + ("the context-parallel pass can rewrite the model" if why is None
                                          else f"not searched: {why.splitlines()[0][:200]}"))
     req = Request(gpus=gpus, global_batch=global_batch, cp_blocker=blocker,
@@ -81,5 +79,30 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                   offloading=offloading, optimizer=optimizer, **kw)
     res = plan(prof, device, req, progress=progress)
     info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
-            "units": len(prof.units)}
+            "units": len(prof.units), "profile_cached": cached}
     return res, info
+
+
+def _profile(model, inputs, target, loss_fn, options: dict, cps, use_cache: bool, progress):
+    """(the model's profile, {cp: context-parallel verdict} for ``cps`` and cp=1, whether it
+    came from the disk cache): ``profile_model``, or the cached profile when ``use_cache`` and
+    planner/profile_cache.py has one for this model with every verdict asked for."""
+    from autopar.passes.context_parallel import context_parallel_blocker
+
+    from . import profile_cache
+    from .profile import profile_model
+
+    say = progress or (lambda msg: None)
+    key = profile_cache.profile_key(model, inputs, target, loss_fn, options) if use_cache else None
+    hit = profile_cache.load(key, cps) if key is not None else None
+    if hit is not None:
+        say(f"model profile from the cache ({profile_cache.cache_path(key)}; captured in "
+            f"{hit[0].capture_s:.1f} s, traced in {hit[0].trace_s:.1f} s when made)")
+        return hit[0], {1: None, **hit[1]}, True
+    prof = profile_model(model, inputs, target, loss_fn, progress=progress, **options)
+    verdicts = {cp: context_parallel_blocker(prof.captured, cp) for cp in cps} if prof.captured is not None else {}
+    if key is not None:
+        path = profile_cache.store(key, prof, verdicts)
+        if path is not None:
+            say(f"model profile cached at {path}")
+    return prof, {1: None, **verdicts}, False

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="the optimizer to price: adamw, or muon (autopar.Muon: hidden matrices with one momentum "
                         "and Newton-Schulz, the rest AdamW)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="capture and trace the model even if its profile is in the disk cache, and do not write it "
+                        "there ($AUTOPAR_CACHE_DIR/profiles, default ~/.cache/autopar)")
     p.add_argument("--no-offload", action="store_true",
                    help="never offload activations to host memory (by default priced where memory binds)")
     p.add_argument("--max-zero", type=int, default=3, choices=(0, 1, 2, 3), help="highest ZeRO level to search")
@@ -208,7 +211,8 @@ def _run(args, say) -> int:
                            allow_cp=not args.no_cp, allow_ep=not args.no_ep,
                            zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
-                           offloading=not args.no_offload, optimizer=args.optimizer, **kwargs)
+                           offloading=not args.no_offload, optimizer=args.optimizer,
+                           profile_cache=not args.no_cache, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     if args.lengths is not None:
         info["packed"] = read_lengths(args.lengths, res.evaluator.profile.seq_len or seq)

@@ -322,8 +322,10 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
          + (f" x {prof.seq_len} tokens" if prof.seq_len else ""),
          f"  {prof.total_params / 1e9:.3g}B parameters in {len(prof.units)} units "
          f"({len(prof.kinds)} distinct); {ev.precision.name}",
-         f"  capture {profile_info.get('capture_s', 0):.1f} s, unit traces {profile_info.get('trace_s', 0):.1f} s, "
-         f"search {res.search_s:.2f} s (of which ILP {res.solver_s:.2f} s)"]
+         ("  model profile from the disk cache (--no-cache to capture again), "
+          if profile_info.get("profile_cached") else
+          f"  capture {profile_info.get('capture_s', 0):.1f} s, unit traces {profile_info.get('trace_s', 0):.1f} s, ")
+         + f"search {res.search_s:.2f} s (of which ILP {res.solver_s:.2f} s)"]
     s = solver_summary(res)
     gap = s["max_gap_vs_balanced_bound"]
     L.append(f"  solver: {s['ilp_solves']} stage-boundary ILPs ({s['solver']}): {', '.join(s['statuses']) or '-'}; "
