@@ -320,24 +320,26 @@ def _groups(points) -> list[list]:
     return [by[k] for k in sorted(by, key=repr)]
 
 
-def offload_terms(stages, points, after_f, after_i, w_only) -> list[tuple[float, dict[int, float]]]:
+def offload_terms(stages, points, after_f, after_i, movable, w_only) -> list[tuple[float, dict[int, float]]]:
     """``offload_peaks``'s device bytes of one rank as linear functions of its stages' offload
     shares: at every point of ``offload_points`` (the rank's ``stages`` and ``points``),
     ``(c, {stage: coefficient})`` such that the bytes there are ``c + sum(coefficient *
-    share)`` (``w_only[s]``: of ``after_f[s]``, the bytes only W reads). A microbatch past F
-    keeps ``after_f - share * after_f`` on the device, one past I ``after_i - share * w_only``;
-    the action about to run adds its whole F output, or what it brings back. The rank's peak
-    at shares ``f`` is the largest of them."""
+    share)``. ``movable[s]``: of ``after_f[s]``, the bytes the offload can park (graph values:
+    not a MoE dispatch's received rows, which its op holds); ``w_only[s]``: of those, what only
+    W reads (within ``after_i[s]``). A microbatch past F keeps ``after_f - share * movable`` on
+    the device, one past I ``after_i - share * w_only``; the action about to run adds its whole
+    F output, or what it brings back. The rank's peak at shares ``f`` is the largest of them."""
     k = len(stages)
-    af = [after_f[s] for s in stages]
+    af = [movable[s] for s in stages]
+    cf = [after_f[s] for s in stages]
     ai = [after_i[s] for s in stages]
-    pw = [min(w_only[s], after_f[s]) for s in stages]
+    pw = [min(w_only[s], movable[s]) for s in stages]
     out = []
     for counts, t, j in points:
-        c = sum(counts[i] * af[i] + counts[k + i] * ai[i] for i in range(k))
+        c = sum(counts[i] * cf[i] + counts[k + i] * ai[i] for i in range(k))
         coef = [-(counts[i] * af[i] + counts[k + i] * pw[i]) for i in range(k)]
         if t == _F:
-            c += af[j]
+            c += cf[j]
         elif t == _I:
             coef[j] += af[j] - pw[j]
         elif t == _W:
@@ -348,19 +350,20 @@ def offload_terms(stages, points, after_f, after_i, w_only) -> list[tuple[float,
     return out
 
 
-def points_peaks(ranks, after_f, after_i, w_only, shares) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def points_peaks(ranks, after_f, after_i, movable, w_only, shares) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """``offload_peaks`` of a fixed-order schedule from its ``offload_points`` (``ranks``)
     instead of a walk of every action: per rank, the device peak (the largest of
     ``offload_terms`` at ``shares``, one per stage) and the host peak (the most parked bytes
-    at any point: microbatches past F park ``share * after_f``, past I ``share * w_only``)."""
+    at any point: microbatches past F park ``share * movable``, past I ``share * w_only``)."""
     device, host = [], []
     for stages, points in ranks:
         k = len(stages)
         f = [shares[s] for s in stages]
-        away_f = [f[i] * after_f[s] for i, s in enumerate(stages)]
-        away_w = [f[i] * min(w_only[s], after_f[s]) for i, s in enumerate(stages)]
+        away_f = [f[i] * movable[s] for i, s in enumerate(stages)]
+        away_w = [f[i] * min(w_only[s], movable[s]) for i, s in enumerate(stages)]
         device.append(max((c + sum(x * shares[s] for s, x in coef.items())
-                           for c, coef in offload_terms(stages, points, after_f, after_i, w_only)), default=0.0))
+                           for c, coef in offload_terms(stages, points, after_f, after_i, movable, w_only)),
+                          default=0.0))
         host.append(max((sum(counts[i] * away_f[i] + counts[k + i] * away_w[i] for i in range(k))
                          for counts, _, _ in points), default=0.0))
     return tuple(device), tuple(host)
@@ -776,7 +779,7 @@ class Evaluator:
         S = len(part.bounds) - 1
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         msg_cpu = CPU_P2P_MESSAGE_S if (self.device.name == "cpu" and lay.pp > 1) else 0.0
-        parked_bytes = self.parked(lay, part, *self.stage_amounts(lay, part))[0] if lay.offload else []
+        parked_bytes = self.parked(lay, part, self.stage_amounts(lay, part)[1])[0] if lay.offload else []
         for s, (kinds, rc) in enumerate(zip(self.stage_kinds(part), part.recompute)):
             tf = ti = tw = cf = ci = 0.0
             for k in kinds:
@@ -896,24 +899,32 @@ class Evaluator:
         (``offload_peaks``): a fixed order's from its cached ``offload_points``, zb-auto's
         from a walk of ``sched``."""
         if lay.schedule != "zb-auto":
-            return points_peaks(offload_points(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i,
-                                self.w_only_bytes(lay, part, after_f, after_i),
+            movable = self.movable_bytes(lay, part)
+            return points_peaks(offload_points(lay.schedule, lay.pp, lay.m, lay.v), after_f, after_i, movable,
+                                self.w_only_bytes(lay, part, movable, after_i),
                                 [lay.offload_of(s) for s in range(len(after_f))])
-        return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_f, after_i))
+        return offload_peaks(sched, after_f, after_i, *self.parked(lay, part, after_i))
 
-    def parked(self, lay: Layout, part: Partition, after_f, after_i) -> tuple[list[float], list[float]]:
+    def parked(self, lay: Layout, part: Partition, after_i) -> tuple[list[float], list[float]]:
         """Per stage under ``lay.offload``: the bytes of a microbatch parked on the host after
-        its F, and of those what stays parked through I (what only W reads; at stage 0, whose I
-        is empty, all of it). ``after_f``: ``stage_amounts``'s."""
-        w_only = self.w_only_bytes(lay, part, after_f, after_i)
-        return ([lay.offload_of(s) * a for s, a in enumerate(after_f)],
-                [lay.offload_of(s) * min(w, a) for s, (w, a) in enumerate(zip(w_only, after_f))])
+        its F (its share of ``movable_bytes``), and of those what stays parked through I (what
+        only W reads; at stage 0, whose I is empty, all of it). ``after_i``: ``stage_amounts``'s."""
+        movable = self.movable_bytes(lay, part)
+        w_only = self.w_only_bytes(lay, part, movable, after_i)
+        return ([lay.offload_of(s) * a for s, a in enumerate(movable)],
+                [lay.offload_of(s) * w for s, w in enumerate(w_only)])
 
-    def w_only_bytes(self, lay: Layout, part: Partition, after_f, after_i) -> list[float]:
-        """Per stage, of a microbatch's saved bytes, what only W reads (at stage 0, whose I is
-        empty, all of it), within what it keeps after F and after I (``stage_amounts``)."""
+    def movable_bytes(self, lay: Layout, part: Partition) -> tuple[float, ...]:
+        """Per stage, the bytes of a microbatch's saved activations the offload can park: the
+        graph's saved values and kept inputs (runtime/offload.py), not the rows a MoE dispatch
+        received (its op keeps them: ``stage_amounts`` without them)."""
+        return self.stage_amounts(lay, part, moe=False)[0]
+
+    def w_only_bytes(self, lay: Layout, part: Partition, movable, after_i) -> list[float]:
+        """Per stage, of a microbatch's movable bytes, what only W reads (at stage 0, whose I is
+        empty, all of it), within what it keeps after I (``stage_amounts``)."""
         sc = self.scale(lay)
-        return [min(after_f[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc, after_f[s], after_i[s])
+        return [min(movable[0] if s == 0 else sum(k.saved_w_only for k in kinds) * sc, movable[s], after_i[s])
                 for s, kinds in enumerate(self.stage_kinds(part))]
 
     def least_offload(self, lay: Layout, part: Partition) -> tuple[float, ...] | None:
@@ -935,12 +946,14 @@ class Evaluator:
         s2r = stage_layout(lay.schedule, lay.pp, lay.v) if lay.pp > 1 else (0,) * S
         rows, totals = self.memory(plain, part, s2r, self.activation_peaks(None, plain, part), split_moe=False)
         after_f, after_i = self.stage_amounts(lay, part)
-        w_only = self.w_only_bytes(lay, part, after_f, after_i)
+        movable = self.movable_bytes(lay, part)
+        w_only = self.w_only_bytes(lay, part, movable, after_i)
         shares = [0.0] * S
         for row, total, (stages, points) in zip(rows, totals, offload_points(lay.schedule, lay.pp, lay.m, lay.v)):
             act = row["activations"] + row["moe receive"]
             budget = self.memory_limit - (total - act - row["dp buckets"] - row["zero-1 buffers"])
-            got = least_offload(offload_terms(stages, points, after_f, after_i, w_only), budget, stages, after_f)
+            got = least_offload(offload_terms(stages, points, after_f, after_i, movable, w_only), budget, stages,
+                                movable)
             if got is None:
                 return None
             for s, f in got.items():

@@ -956,11 +956,12 @@ def test_offload_points_give_the_walks_peaks(name, pp, m):
     for _ in range(3):
         after_f = [rng.uniform(100, 1000) for _ in range(S)]
         after_i = [a * rng.uniform(0.5, 1.5) for a in after_f]
-        w_only = [min(a, b) * rng.uniform(0, 1) for a, b in zip(after_f, after_i)]  # within what I keeps
+        movable = [a * rng.choice((1.0, rng.uniform(0.3, 1))) for a in after_f]  # a MoE's rows stay
+        w_only = [min(a, b) * rng.uniform(0, 1) for a, b in zip(movable, after_i)]  # within what I keeps
         shares = [rng.choice((0.0, 1.0, rng.random())) for _ in range(S)]
-        want = offload_peaks(sched, after_f, after_i, [f * a for f, a in zip(shares, after_f)],
-                             [f * min(w, a) for f, w, a in zip(shares, w_only, after_f)])
-        got = points_peaks(offload_points(name, pp, m, v), after_f, after_i, w_only, shares)
+        want = offload_peaks(sched, after_f, after_i, [f * a for f, a in zip(shares, movable)],
+                             [f * w for f, w in zip(shares, w_only)])
+        got = points_peaks(offload_points(name, pp, m, v), after_f, after_i, movable, w_only, shares)
         for g, w in zip(got, want):
             assert g == pytest.approx(w, rel=1e-12), (name, got, want)
 
@@ -980,7 +981,7 @@ def test_least_offload_shares_by_hand():
 
     def terms(name, pp, m, v, r, after_f, after_i, w_only):
         stages, points = offload_points(name, pp, m, v)[r]
-        return stages, offload_terms(stages, points, after_f, after_i, w_only)
+        return stages, offload_terms(stages, points, after_f, after_i, after_f, w_only)
 
     got = [least_offload(terms("1f1b", 2, 4, 1, r, (a, a), (a, a), (0.0, 0.0))[1], 1.5 * a, [r], (a, a))
            for r in range(2)]
