@@ -223,6 +223,28 @@ def pin_report(res: PlanResult, c: Candidate) -> list[str]:
         out.append(f"  activation offload {f:g} (Plan(offload={f:g})): {max(other.peak_memory) / GiB:.2f} GiB "
                    + ("(fits)" if other.feasible else f"({(max(other.peak_memory) - ev.memory_limit) / GiB:.2f} GiB "
                                                       "over)"))
+    if not other.feasible:
+        out += beyond_lines(ev, other)
+    return out
+
+
+def beyond_lines(ev, est: Estimate) -> list[str]:
+    """What memory features autopar lacks would do to ``est`` (every feature it has on): on the
+    heaviest rank, the rows MoE dispatches received (their op holds them from F to W: neither
+    offloaded nor recomputed) and FP8 activation caching (the saved activations and those rows
+    kept in 8 bits instead of 16: half of them), evaluated against the limit."""
+    r, over = est.oom()
+    row = est.memory[r]
+    moe, act = row["moe receive"], row["activations"]
+    out = []
+    if moe > 0:
+        out.append(f"  not in autopar: the MoE dispatch's received rows ({moe / GiB:.2f} GiB on rank {r}) stay on "
+                   "the device from F to W (the op holds them: not offloaded, never recomputed)")
+    if ev.precision.weight == 2 and act + moe > 0:
+        saved = (act + moe) / 2
+        out.append(f"  not in autopar: FP8 activation caching (saved activations and MoE rows in 8 bits) would save "
+                   f"about {saved / GiB:.2f} GiB on rank {r}: "
+                   + ("it would fit" if saved >= over else f"still {(over - saved) / GiB:.2f} GiB over"))
     return out
 
 

@@ -812,6 +812,33 @@ def test_pin_report_when_the_pinned_layout_does_not_fit(gpt_profile):
     assert f"{(close.peak - res.request.memory_limit) / GiB:.2f} GiB" in out
 
 
+def test_pin_report_names_what_autopar_lacks(mixtral_profile):
+    """Issue 34 P4: a pinned MoE layout that fits with none of autopar's memory features says what
+    the ones it lacks would do, on the heaviest rank of the layout with every feature on
+    (recomputing, offload 1): the MoE rows the dispatch holds from F to W (which offload does not
+    move: the offloaded layout keeps all of them), and FP8 activation caching at half of the
+    saved activations and rows, against what is over."""
+    from autopar.planner.report import text
+
+    res = plan(mixtral_profile, get_profile("h100"), Request(gpus=16, global_batch=32, memory_limit=8 * GiB,
+                                                             pin={"pp": 2, "ep": 8, "zero": 1, "schedule": "1f1b"}))
+    assert res.chosen is None
+    out = text(res, {})
+    ev, c = res.evaluator, res.closest()
+    lay, S = c.layout, c.layout.num_stages
+    bounds = c.estimate.partition.bounds if c.estimate is not None else \
+        balanced_partition([sum(ev.unit_times(u.kind, lay)) for u in ev.units], S)
+    on = ev.evaluate(dataclasses.replace(lay, offload=1.0), Partition(bounds, (True,) * S))
+    off = ev.evaluate(lay, Partition(bounds, (True,) * S))
+    r, over = on.oom()
+    moe, act = on.memory[r]["moe receive"], on.memory[r]["activations"]
+    assert moe > 0 and moe == pytest.approx(off.memory[r]["moe receive"], rel=1e-9)  # the rows stay put
+    assert f"received rows ({moe / GiB:.2f} GiB on rank {r})" in out, out
+    half = (act + moe) / 2
+    assert f"would save about {half / GiB:.2f} GiB on rank {r}: " in out, out
+    assert ("it would fit" in out) == (half >= over)
+
+
 # ------------------------------------------- the search's shortcuts are bounds, not guesses
 def test_zb_auto_floor_and_family_bound_never_above_evaluated_memory(mixtral_profile):
     """The schedule floor (one microbatch in flight per stage) is <= the memory of the order zb-auto's
