@@ -98,7 +98,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     local = cp.local if cp is not None else (lambda t: t)
     captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
                                   target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
-                                  precision=mixed_precision, input_names=input_names)
+                                  precision=mixed_precision, input_names=input_names, causal_masks=cp is None)
     captured = rewrite_graph(captured=captured, owners=owners)
     stages, schedule = split(captured=captured, plan=plan)
     params = unique_params(model)
@@ -284,16 +284,19 @@ def moe_keys(model: nn.Module) -> tuple[int, ...]:
     return tuple(sorted({m._autopar_dispatch_key for m in model.modules() if hasattr(m, "_autopar_dispatch_key")}))
 
 
-def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None, input_names=None):
+def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None, input_names=None,
+                       causal_masks: bool = True):
     """The capture of one microbatch. A model with tensors on the meta device, or under mixed
     precision, is captured with fake tensors in place of its own (floating parameters in the
-    compute dtype) and fake inputs: shapes and dtypes are all a capture reads."""
+    compute dtype) and fake inputs: shapes and dtypes are all a capture reads. ``causal_masks``:
+    ``passes.capture``'s (off for a sequence shard under context parallelism)."""
     from autopar import passes
 
     t0 = time.perf_counter()
     tensors = {**dict(model.named_buffers()), **model.state_dict(keep_vars=True)}  # non-persistent buffers too
     if precision is None and not any(t.is_meta for t in tensors.values()):
-        captured = passes.capture(model, inputs, target, loss_fn, input_names)  # looked up here: tests may memoize it
+        captured = passes.capture(model, inputs, target, loss_fn, input_names,  # looked up here: tests may memoize it
+                                  causal_masks=causal_masks)
     else:
         from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -309,7 +312,7 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
             fake_in = tuple(torch.empty_like(x, device=device) for x in inputs)
             fake_target = torch.empty_like(target, device=device) if target is not None else None
         with swapped(model, fakes):
-            captured = passes.capture(model, fake_in, fake_target, loss_fn, input_names)
+            captured = passes.capture(model, fake_in, fake_target, loss_fn, input_names, causal_masks=causal_masks)
     log.info("autopar: captured %s in %.2fs", captured.summary(), time.perf_counter() - t0)
     return captured
 

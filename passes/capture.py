@@ -9,12 +9,10 @@ several names (tied embedding / LM head) becomes one placeholder under its first
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import traceback
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -24,56 +22,11 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.errors import CaptureError
 
+from .captured import CapturedGraph
+from .causal_mask import make_causal
 from .costs import annotate_costs
 
 log = logging.getLogger("autopar")
-
-
-@dataclass
-class CapturedGraph:
-    """One microbatch of model + loss as a functional fx graph, with where each value lives.
-
-    Fields map placeholder / output node *names* to model state:
-      params         placeholder -> canonical parameter FQN (first name in model.named_parameters())
-      buffers        placeholder -> buffer FQN
-      constants      placeholder -> tensor lifted by export that is neither parameter nor buffer
-      inputs         placeholder names of the model inputs, in call order
-      target         placeholder name of the target, or None when the model returns its loss
-      buffer_updates output-value node name -> FQN of the buffer it overwrites after the step
-      loss           node name of the scalar loss
-      aliases        canonical FQN -> every FQN of that parameter (tied weights)
-    """
-
-    gm: fx.GraphModule
-    params: dict[str, str]
-    buffers: dict[str, str]
-    constants: dict[str, torch.Tensor]
-    inputs: list[str]
-    target: str | None
-    buffer_updates: dict[str, str]
-    loss: str
-    aliases: dict[str, list[str]] = field(default_factory=dict)
-
-    def node(self, name: str) -> fx.Node:
-        for n in self.gm.graph.nodes:
-            if n.name == name:
-                return n
-        raise KeyError(name)
-
-    def copy(self) -> "CapturedGraph":
-        """The same capture over a copy of the graph (node names and meta kept), for passes that
-        return a rewritten capture without changing their input."""
-        graph = fx.Graph()
-        graph.output(graph.graph_copy(self.gm.graph, {}))
-        gm = fx.GraphModule(self.gm, graph, class_name=type(self.gm).__name__)
-        gm.meta.update(self.gm.meta)
-        return dataclasses.replace(self, gm=gm)
-
-    def summary(self) -> str:
-        n_ops = sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
-        flops = sum(n.meta.get("autopar_flops", 0) for n in self.gm.graph.nodes)
-        return (f"{n_ops} ops, {len(self.params)} parameters, {len(self.buffers)} buffers, "
-                f"{len(self.inputs)} inputs, {flops / 1e9:.3f} GFLOP forward per microbatch")
 
 
 class _ModelWithLoss(nn.Module):
@@ -103,12 +56,15 @@ class _ModelWithLoss(nn.Module):
 
 
 def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
-            input_names: tuple[str, ...] | None = None) -> CapturedGraph:
+            input_names: tuple[str, ...] | None = None, causal_masks: bool = True) -> CapturedGraph:
     """Capture ``loss_fn(model(*inputs), target)`` (or ``model(*inputs)`` when loss_fn is None).
 
     ``inputs``/``target`` are one microbatch; with ``input_names`` the inputs are passed as
     those keyword arguments. Raises CaptureError naming the user's source line when the model
-    can't be captured as one static graph.
+    can't be captured as one static graph. ``causal_masks``: attention masks that are statically
+    causal become SDPA's ``is_causal`` (passes/causal_mask.py); off for a capture of one sequence
+    shard, where a window as long as the shard is causal there but not over the whole sequence
+    (the context-parallel pass rebuilds the masks of the whole sequence).
     """
     if not isinstance(inputs, (tuple, list)):
         inputs = (inputs,)
@@ -133,6 +89,8 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
         raise CaptureError(_explain_capture_failure(model, e)) from e
     captured = _from_exported(ep, wrapper, model, loss_fn is not None)
     _copy_before_training_views(captured, model)
+    if causal_masks:
+        make_causal(captured.gm)
     annotate_costs(captured.gm)
     captured.gm.graph.lint()
     return captured

@@ -118,7 +118,7 @@ import torch.distributed._functional_collectives  # noqa: F401 - registers the c
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from .capture import CapturedGraph
+from .captured import CapturedGraph
 from .costs import annotate_costs
 from .provenance import source_of
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .capture import CapturedGraph
+from .captured import CapturedGraph
 from .costs import node_time
 
 # IN_FLIGHT_OPS: a MoE dispatch chain's handle before its last op stays in its stage

@@ -56,7 +56,7 @@ def memoized_capture(capture, memo: dict | None = None):
     """
     memo = {} if memo is None else memo
 
-    def memoized(model, inputs, target=None, loss_fn=None, input_names=None):
+    def memoized(model, inputs, target=None, loss_fn=None, input_names=None, causal_masks=True):
         tensors = (*inputs, *([target] if target is not None else []))
         kinds = tuple(sorted({(str(t.dtype), t.device.type) for t in model.state_dict().values()}))
         # what repr() does not show but the graph depends on: a Hugging Face config (use_cache
@@ -66,9 +66,9 @@ def memoized_capture(capture, memo: dict | None = None):
         config = config.to_json_string() if hasattr(config, "to_json_string") else None
         params = tuple((n, p.requires_grad) for n, p in model.named_parameters())
         key = (repr(model), config, params, kinds, tuple((tuple(t.shape), t.dtype) for t in tensors), loss_fn,
-               input_names)
+               input_names, causal_masks)
         if key not in memo:
-            memo[key] = capture(model, inputs, target, loss_fn, input_names)
+            memo[key] = capture(model, inputs, target, loss_fn, input_names, causal_masks=causal_masks)
         return memo[key]
 
     memoized.memoized = True
