@@ -30,9 +30,10 @@ import math
 import torch
 import torch.fx as fx
 
+from .context_parallel import _ARANGE, _arg, _set_arg
+
 aten = torch.ops.aten
 _SDPA = (aten.scaled_dot_product_attention.default,)
-_ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 _SAME = (aten.expand.default, aten.clone.default, aten.alias.default, aten.detach.default,
          aten.lift_fresh_copy.default, aten.contiguous.default)
 _CMP = {aten.le.Tensor: "le", aten.lt.Tensor: "lt", aten.ge.Tensor: "ge", aten.gt.Tensor: "gt",
@@ -47,9 +48,9 @@ def make_causal(gm: fx.GraphModule) -> int:
     ev = _Eval()
     changed, dropped = 0, []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA or _arg(node, 5, "is_causal", False):
+        if node.op != "call_function" or node.target not in _SDPA or _arg(node, "is_causal"):
             continue
-        mask = _arg(node, 3, "attn_mask", None)
+        mask = _arg(node, "attn_mask")
         if not isinstance(mask, fx.Node):
             continue
         val, q, k = mask.meta.get("val"), node.args[0].meta.get("val"), node.args[1].meta.get("val")
@@ -61,8 +62,8 @@ def make_causal(gm: fx.GraphModule) -> int:
         v = ev(mask)
         if not (v and v[0] == "pred" and v[3:] == (-1, -2) and v[1] <= -(s - 1) and v[2] == 0):
             continue
-        _set(node, 3, "attn_mask", None)
-        _set(node, 5, "is_causal", True)
+        _set_arg(node, "attn_mask", None)
+        _set_arg(node, "is_causal", True)
         dropped.append(mask)
         changed += 1
     _erase_unused(gm.graph, dropped)
@@ -70,19 +71,6 @@ def make_causal(gm: fx.GraphModule) -> int:
         gm.graph.lint()
         gm.recompile()
     return changed
-
-
-def _arg(node: fx.Node, i: int, name: str, default):
-    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
-
-
-def _set(node: fx.Node, i: int, name: str, value) -> None:
-    if len(node.args) > i:
-        args = list(node.args)
-        args[i] = value
-        node.args = tuple(args)
-    else:
-        node.kwargs = {**node.kwargs, name: value}
 
 
 def _shape(x) -> tuple:

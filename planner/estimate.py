@@ -133,7 +133,6 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
     The steady schedules are made by their generator without ``registry.build``'s validation
     (the frontier equals the validated schedule's: tests/unit/test_planner.py); the greedy ones
     through ``registry.build`` (cached there)."""
-    from autopar.schedules.registry import get
     from autopar.schedules.registry import layout as stage_layout
 
     if name == "gpipe":  # all m forwards, then fused backwards: m microbatches at the peak
@@ -143,6 +142,18 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
     m_eff = steady_m(name, pp, m, v)
     if m_eff != m:
         return inflight_frontier(name, pp, m_eff, v)
+    return tuple((stages, tuple(sorted(_undominated({after for _, t, _, after in steps if t in (_F, _I)}))))
+                 for stages, steps in _count_walk(name, pp, m, v))
+
+
+def _count_walk(name: str, pp: int, m: int, v: int) -> list:
+    """Per rank of a fixed-order schedule: (its stages, per action (counts before, type, index
+    of its stage among the rank's, counts after)), the counts being the microbatches of each
+    of the rank's stages past F (not yet I/B), then past I (not yet W). The steady schedules
+    are made by their generator without ``registry.build``'s validation; the greedy ones
+    through ``registry.build`` (cached there)."""
+    from autopar.schedules.registry import get
+
     sched = get(name).make(pp, m, v) if name in _STEADY else fixed_schedule(name, pp, m, v)
     s2r = sched.stage_to_rank
     out = []
@@ -151,10 +162,10 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
         idx = {s: j for j, s in enumerate(stages)}
         k = len(stages)
         st = [0] * (2 * k)
-        pts = set()
+        steps = []
         for a in acts:
-            j = idx[a.stage]
-            t = a.type
+            j, t = idx[a.stage], a.type
+            before = tuple(st)
             if t == _F:
                 st[j] += 1
             elif t == _I:
@@ -164,14 +175,18 @@ def inflight_frontier(name: str, pp: int, m: int, v: int) -> tuple:
                 st[k + j] -= 1
             else:  # B
                 st[j] -= 1
-            if t == _F or t == _I:
-                pts.add(tuple(st))
-        keep: list[tuple[int, ...]] = []
-        for pt in sorted(pts, reverse=True):
-            if not any(all(x >= y for x, y in zip(q, pt)) for q in keep):
-                keep.append(pt)
-        out.append((stages, tuple(sorted(keep))))
-    return tuple(out)
+            steps.append((before, t, j, tuple(st)))
+        out.append((stages, steps))
+    return out
+
+
+def _undominated(vectors, counts=lambda p: p) -> list:
+    """The members of ``vectors`` whose ``counts`` no other member's are all at least."""
+    keep: list = []
+    for p in sorted(vectors, key=counts, reverse=True):
+        if not any(all(x >= y for x, y in zip(counts(q), counts(p))) for q in keep):
+            keep.append(p)
+    return keep
 
 
 @lru_cache(maxsize=8192)
@@ -272,52 +287,21 @@ def offload_points(name: str, pp: int, m: int, v: int) -> tuple:
     stage; type None: between actions), without the ones another point of the same action
     dominates. Independent of the amounts, so cached; past the warm-up the points repeat, and
     steady schedules are walked at ``steady_m`` as for the frontier."""
-    from autopar.schedules.registry import get
-
     m_eff = steady_m(name, pp, m, v)
     if m_eff != m:
         return offload_points(name, pp, m_eff, v)
-    sched = get(name).make(pp, m, v) if name in _STEADY else fixed_schedule(name, pp, m, v)
-    s2r = sched.stage_to_rank
     out = []
-    for r, acts in enumerate(sched.actions):
-        stages = tuple(s for s in range(len(s2r)) if s2r[s] == r)
-        idx = {s: j for j, s in enumerate(stages)}
-        k = len(stages)
-        st = [0] * (2 * k)
-        pts = set()
-        for a in acts:
-            j, t = idx[a.stage], a.type
-            pts.add((tuple(st), t, j))
-            if t == _F:
-                st[j] += 1
-            elif t == _I:
-                st[j] -= 1
-                st[k + j] += 1
-            elif t == _W:
-                st[k + j] -= 1
-            else:  # B
-                st[j] -= 1
-            pts.add((tuple(st), None, 0))
+    for stages, steps in _count_walk(name, pp, m, v):
+        groups: dict = {}  # (action type, stage index) -> points
+        for before, t, j, after in steps:
+            groups.setdefault((t, j), set()).add((before, t, j))
+            groups.setdefault((None, 0), set()).add((after, None, 0))
         # a point whose counts another point of the same action type and stage has at least
         # as many of never holds more (every count multiplies bytes >= 0 at any shares, as
         # what only W reads is within what a microbatch keeps after I): only the others count
-        keep = []
-        for group in _groups(pts):
-            front: list = []
-            for p in sorted(group, reverse=True):
-                if not any(all(x >= y for x, y in zip(q[0], p[0])) for q in front):
-                    front.append(p)
-            keep += front
+        keep = [p for g in groups.values() for p in _undominated(g, counts=lambda p: p[0])]
         out.append((stages, tuple(sorted(keep, key=repr))))
     return tuple(out)
-
-
-def _groups(points) -> list[list]:
-    by: dict = {}
-    for p in points:
-        by.setdefault((p[1], p[2]), []).append(p)
-    return [by[k] for k in sorted(by, key=repr)]
 
 
 def offload_terms(stages, points, after_f, after_i, movable, w_only) -> list[tuple[float, dict[int, float]]]:
