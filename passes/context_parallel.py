@@ -31,6 +31,11 @@ so that it computes, for the rank's ``s`` positions, exactly what the full-seque
       the same attention on the whole sequence (SDPA's ``is_causal`` keeps its meaning; a region's
       element-wise ops are shape-agnostic and rerun on [B, H/cp, S, S] scores)
       out [B, H/cp, S, D]   --all-to-all-->  [B, H, s, D]        (same strides as before)
+  A grouped-query SDPA (``enable_gqa=True``: Hq query heads over Hkv key/value heads) needs cp to
+  divide Hq only: when cp does not divide Hkv, each key/value head is first repeated
+  ``kv_repeats(Hkv, cp)`` times on the rank's shard, so every rank receives exactly the
+  key/value heads its Hq/cp query heads read (one each when cp >= Hkv, Megatron's rule for GQA
+  under tensor parallelism); the all-to-all then carries that many copies of k and v.
   with ``torch.ops._c10d_functional.all_to_all_single`` + ``wait_tensor``: what
   ``_functional_collectives.all_to_all_single_autograd`` records under make_fx. Its autograd
   formula is registered when ``torch.distributed._functional_collectives`` is imported (this
@@ -89,7 +94,8 @@ length ``s`` or buffer slice of length ``s`` outside a mask (say ``arange(head_d
 rewrite is logged at INFO.
 
 Errors (ValueError, raised before any communication, naming the node, the user's source line
-and why): no attention in the graph at all, q, k or v heads not divisible by cp, an attention
+and why): no attention in the graph at all, q, k or v heads not divisible by cp (query heads
+only for a grouped-query SDPA), an attention
 output other than the first used by the graph (e.g. the logsumexp), attention whose q/k length is
 not the shard length (cross-attention, KV cache), a softmax over ``[.., s, s]`` scores that is
 not a region as above (3-d ``bmm`` attention, the probabilities used elsewhere, an op between
@@ -405,7 +411,7 @@ def _check_sdpa(node: fx.Node, cp: int, s: int) -> _Attention:
             raise _error(node, f"{what} takes an explicit {name}; context parallelism cannot rebuild a random "
                                "[S, S] tensor drawn outside the attention. Use dropout_p, or cp=1")
     q, k, v = (a.meta["val"] for a in node.args[:3])
-    _check_qkv(node, what, q, k, v, cp, s)
+    _check_qkv(node, what, q, k, v, cp, s, gqa=_grouped(node))
     if not isinstance(node.meta["val"], torch.Tensor):
         returns = node.target._schema.returns
         for user in node.users:
@@ -420,7 +426,34 @@ def _check_sdpa(node: fx.Node, cp: int, s: int) -> _Attention:
     return _Attention("sdpa", node, node.args[0], node.args[1], node.args[2], int(q.shape[1]), [])
 
 
-def _check_qkv(node, what: str, q, k, v, cp: int, s: int, k_transposed: bool = False) -> None:
+def _grouped(node: fx.Node) -> bool:
+    """An SDPA that reads key/value head h // (Hq / Hkv) for query head h (``enable_gqa``)."""
+    return _has_arg(node, "enable_gqa") and bool(_arg(node, "enable_gqa"))
+
+
+def kv_repeats(hkv: int, cp: int) -> int:
+    """How many copies of each key/value head a grouped-query attention (Hq query heads over Hkv
+    key/value heads, cp dividing Hq) sends through Ulysses' all-to-all: each rank gets Hq/cp query heads
+    and needs the key/value heads those read; when cp does not divide Hkv (cp > Hkv, as Megatron
+    does under TP), every head is repeated cp / gcd(Hkv, cp) times first, so the lcm(Hkv, cp)
+    heads split evenly and rank r gets exactly the ones its query heads read."""
+    return 1 if hkv % cp == 0 else cp // math.gcd(hkv, cp)
+
+
+def cp_heads(node: fx.Node) -> int:
+    """The head count cp must divide for this attention op: its query heads when it is a
+    grouped-query SDPA (key/value heads are repeated as needed, ``kv_repeats``), else the largest
+    count its q, k and v heads all divide (0 when they are not [B, H, S, D])."""
+    vals = [a.meta.get("val") if isinstance(a, fx.Node) else None for a in node.args[:3]]
+    if any(v is None or v.dim() != 4 for v in vals):
+        return 0
+    hq, hk, hv = (int(v.shape[1]) for v in vals)
+    if _grouped(node) and hk == hv and hq % hk == 0:
+        return hq
+    return math.gcd(hq, math.gcd(hk, hv))
+
+
+def _check_qkv(node, what: str, q, k, v, cp: int, s: int, k_transposed: bool = False, gqa: bool = False) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise _error(node, f"{what} takes q/k/v of shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}; "
                            "context parallelism needs [batch, heads, seq, head_dim]")
@@ -430,11 +463,16 @@ def _check_qkv(node, what: str, q, k, v, cp: int, s: int, k_transposed: bool = F
                            "long; context parallelism rewrites self-attention over the sharded sequence only (no "
                            "cross-attention, no KV cache). Use cp=1")
     hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    if gqa and hk == hv and hq % hk == 0:
+        if hq % cp:
+            raise _error(node, f"{what} has {hq} query heads over {hk} key/value heads; cp={cp} must divide the "
+                               f"query heads (Ulysses gives each cp rank {hq}/cp of them): use a cp that divides {hq}")
+        return
     if hq % cp or hk % cp or hv % cp:
         g = math.gcd(hq, hk, hv)
         fix = f"use a cp that divides {g}" if g > 1 else "use cp=1"
         if hq % cp == 0:
-            fix += f", or repeat the k/v heads to {hq} (repeat_interleave) before attention"
+            fix += ", or call SDPA with enable_gqa=True (key/value heads are then repeated only as far as cp needs)"
         raise _error(node, f"{what} has {hq} query heads and {hk}/{hv} key/value heads; cp={cp} must divide "
                            f"every head count (Ulysses gives each cp rank H/cp heads): {fix}")
 
@@ -1320,6 +1358,16 @@ def _seq_to_heads(graph, x: fx.Node, cp: int, group_name: str, like: fx.Node) ->
     return _new(graph, aten.view.default, (t, [b, h // cp, cp * s, d]), like)
 
 
+def _repeat_heads(graph, x: fx.Node, repeats: int, like: fx.Node) -> fx.Node:
+    """[B, H, s, D] -> [B, H * repeats, s, D], head j of the result is head j // repeats of x (the
+    grouped-query order); its backward sums the copies' gradients."""
+    b, h, s, d = x.meta["val"].shape
+    t = _new(graph, aten.unsqueeze.default, (x, 2), like)
+    t = _new(graph, aten.expand.default, (t, [b, h, repeats, s, d]), like)
+    t = _new(graph, aten.clone.default, (t,), like, {"memory_format": torch.contiguous_format})
+    return _new(graph, aten.view.default, (t, [b, h * repeats, s, d]), like)
+
+
 def _heads_to_seq(graph, y: fx.Node, cp: int, group_name: str, like: fx.Node, strides: tuple[int, ...]) -> fx.Node:
     """[B, H/cp, S, D] head shard -> [B, H, s, D] sequence shard, laid out with `strides` (those of
     the attention output it replaces: later views in the graph were traced against them)."""
@@ -1347,10 +1395,12 @@ def _rewrite_sdpa(graph: fx.Graph, node: fx.Node, cp: int, group_name: str) -> N
     old_val = node.meta["val"]
     out_val = old_val if isinstance(old_val, torch.Tensor) else old_val[0]
     converted: dict[fx.Node, fx.Node] = {}
+    repeats = kv_repeats(int(node.args[1].meta["val"].shape[1]), cp) if _grouped(node) else 1
     with graph.inserting_before(node):
-        for x in node.args[:3]:
+        for i, x in enumerate(node.args[:3]):
             if x not in converted:  # self-attention may pass one tensor as q, k and v
-                converted[x] = _seq_to_heads(graph, x, cp, group_name, node)
+                y = _repeat_heads(graph, x, repeats, node) if i and repeats > 1 else x
+                converted[x] = _seq_to_heads(graph, y, cp, group_name, node)
     node.args = tuple(converted[x] for x in node.args[:3]) + tuple(node.args[3:])
     _refresh(node)
     if isinstance(old_val, torch.Tensor):

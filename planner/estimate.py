@@ -570,10 +570,12 @@ class Evaluator:
 
     def unit_saved(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
         """(after F, after I) bytes one microbatch of the unit keeps, routed MoE imbalance included
-        (the capture holds the mean routed rows; the worst rank keeps ``moe_imbalance`` times them)."""
+        (the capture holds the mean routed rows; the worst rank keeps ``moe_imbalance`` times them),
+        and the key/value head copies context parallelism adds until I (``kv_copies_bytes``)."""
         sc = self.scale(lay)
         mean, worst = self.routed(kind, lay)
-        return kind.saved_bytes * sc + worst - mean, kind.saved_after_i * sc + worst - mean
+        copies = kind.kv_copies_bytes(lay.cp) * sc
+        return kind.saved_bytes * sc + worst - mean + copies, kind.saved_after_i * sc + worst - mean
 
     # ------------------------------------------------------------------ per-unit quantities
     def scale(self, lay: Layout) -> float:
@@ -598,7 +600,7 @@ class Evaluator:
         f, i, w = kind.times(self.device, sc)
         links = self.links(lay)
         if lay.cp > 1 and kind.attention_bytes:
-            a2a = comm.all_to_all_time(kind.attention_bytes * sc, lay.cp, links["cp"])
+            a2a = comm.all_to_all_time((kind.attention_bytes + kind.kv_copies_bytes(lay.cp)) * sc, lay.cp, links["cp"])
             f, i = f + a2a, i + a2a
         r = kind.routed
         if lay.ep > 1 and r is not None:

@@ -49,6 +49,7 @@ import torch
 import torch.fx as fx
 
 from autopar.parallel.zero_layout import ParamSpec, ns_flops
+from autopar.passes.context_parallel import kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import view_base as _base
 
@@ -172,7 +173,7 @@ class UnitKind:
     param_tensors: int        # parameter tensors (the optimizer's per-tensor work)
     param_bytes: int
     expert_params: int        # of which expert weights (sharded by EP)
-    attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume)
+    attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume at cp | all heads)
     dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume; dropless: the mean routed rows)
     work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
     small_params: int = 0     # elements of non-expert parameters with < 2 dims (norms, biases: ZeRO-3's resident group)
@@ -198,6 +199,15 @@ class UnitKind:
     muon_expert_params: int = 0
     muon_flops: float = 0.0
     muon_expert_flops: float = 0.0
+    # (key/value heads, k + v bytes) of each grouped-query SDPA: cp beyond its key/value heads
+    # sends repeated copies (passes/context_parallel.kv_repeats)
+    grouped_kv: tuple[tuple[int, float], ...] = ()
+
+    def kv_copies_bytes(self, cp: int) -> float:
+        """Bytes of the key/value head copies context parallelism at ``cp`` adds (per captured
+        microbatch, before the 1/cp of a rank): they go through the all-to-all, and the attention
+        keeps them for its backward."""
+        return sum(b * (kv_repeats(h, cp) - 1) for h, b in self.grouped_kv)
 
     def work(self, scale: float) -> float:
         """The transient working set at ``scale`` times the captured microbatch."""
@@ -696,6 +706,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     in_bytes = float(stage.bytes_in)
     out_bytes = float(stage.bytes_out)
     attn = 0.0
+    grouped_kv = []
     dispatch = 0.0
     expert_ph = {n.name for n, fqn in zip(phs[:n_state], stage.params) if expert_names(fqn)}
     for n in stage.gm.graph.nodes:
@@ -704,6 +715,10 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
         if _is_attention_fwd(n):
             attn += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes[:3])
             attn += value_bytes(n.meta.get("val") if not isinstance(n.meta.get("val"), tuple) else n.meta["val"][0])
+            q, k, v = n.all_input_nodes[:3]
+            hq, hk = (int(x.meta["val"].shape[1]) for x in (q, k))
+            if n.kwargs.get("enable_gqa") and hk != hq:
+                grouped_kv.append((hk, float(k.meta.get("autopar_bytes", 0) + v.meta.get("autopar_bytes", 0))))
         elif expert_ph and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
             w = n.args[-1]
             while isinstance(w, fx.Node) and w.op == "call_function" and _is_view(w):
@@ -722,6 +737,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     param_bytes=int(pbytes),
                     expert_params=int(expert), attention_bytes=float(attn), dispatch_bytes=dispatch,
                     work_bytes=max(b_peak, f_peak - f_end), measure=measure, saved_w_only=w_only,
+                    grouped_kv=tuple(grouped_kv),
                     **{"muon_" + k: v for k, v in muon.items()})
 
 
@@ -743,17 +759,15 @@ def _units_of(captured):
 
 
 def attention_heads(gm: torch.fx.GraphModule) -> int:
-    """The largest head count every attention's q, k and v heads divide (0 without attention):
-    context parallelism (Ulysses) shards heads, so cp must divide it."""
-    from autopar.passes.context_parallel import ATTENTION_OPS
+    """The largest head count cp must divide for every attention (0 without attention): context
+    parallelism (Ulysses) shards heads (``context_parallel.cp_heads``: the query heads of a
+    grouped-query SDPA, else what its q, k and v heads all divide)."""
+    from autopar.passes.context_parallel import ATTENTION_OPS, cp_heads
 
     heads = 0
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in ATTENTION_OPS:
-            for arg in node.args[:3]:
-                val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
-                if val is not None and val.dim() == 4:
-                    heads = math.gcd(heads, int(val.shape[1]))
+            heads = math.gcd(heads, cp_heads(node))
     return heads
 
 

@@ -18,8 +18,8 @@ from tests.dist.harness import run_shared
 CP = 2
 MB = 2  # microbatch
 # case -> stage counts to split into
-CASES = {"llama": (1, 2), "gpt": (2,), "flash": (1,), "gqa": (1,), "manual-mask": (1,), "arange-causal": (1,),
-         "window": (1,)}
+CASES = {"llama": (1, 2), "gpt": (2,), "flash": (1,), "gqa": (1,), "mqa": (1,), "manual-mask": (1,),
+         "arange-causal": (1,), "window": (1,)}
 
 
 def _case(name: str):
@@ -36,7 +36,8 @@ def _case(name: str):
         model, (idx,), target, loss_fn = make_gpt(n_layer=2, d_model=32, n_head=4, seq_len=32, batch_size=MB, seed=3)
         return model, idx, target, loss_fn
     # flash: the CPU flash kernel called directly (a tuple output whose logsumexp is unused);
-    # gqa: SDPA with enable_gqa=True (4 q heads, 2 k/v heads); manual-mask: hand-written attention
+    # gqa: SDPA with enable_gqa=True (4 q heads, 2 k/v heads); mqa: the same with 1 k/v head, fewer
+    # than cp (the pass repeats it so each rank gets the one its 2 query heads read); manual-mask: hand-written attention
     # (a region) masked by a tril buffer sliced [:t, :t] (rebuilt from 2 x 2 blocks); arange-causal:
     # SDPA with `i[:, None] >= i[None, :]` (one arange for both dims: proven causal, is_causal=True);
     # window: a region with a banded mask from one arange
@@ -131,7 +132,7 @@ def test_ulysses_cp2_matches_full_sequence():
             res = [r[key] for r in per_rank]
             label = f"{name} stages={key[1]} {key[2]}"
             assert res[0]["collectives"] > 0, f"{label}: no all-to-all in the rewritten graph"
-            assert res[0]["causal"] == (name in ("arange-causal", "llama", "gpt", "gqa", "flash")), (label, res[0])
+            assert res[0]["causal"] == (name in ("arange-causal", "llama", "gpt", "gqa", "mqa", "flash")), (label, res[0])
             if key[1] == 2:
                 assert res[0]["i_collectives"][1] > 0, f"{label}: stage 1's I program has no backward all-to-all"
             mean_loss = sum(r["loss"] for r in res) / CP
@@ -220,8 +221,9 @@ class _Attn(nn.Module):
         elif self.mode == "lse":
             y, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
             y = y + lse.unsqueeze(-1)
-        elif self.mode == "gqa":  # native GQA: half as many k/v heads
-            k, v = k[:, : self.heads // 2], v[:, : self.heads // 2]
+        elif self.mode in ("gqa", "mqa"):  # native GQA: half as many k/v heads, or one
+            kv = self.heads // 2 if self.mode == "gqa" else 1
+            k, v = k[:, 1:1 + kv], v[:, -kv:]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         elif self.mode == "flash":
             y = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
@@ -241,20 +243,20 @@ def _mse(out, target):
 
 @pytest.mark.parametrize("mode,cp,expect", [
     ("heads", 4, "3 query heads and 3/3 key/value heads; cp=4 must divide every head count"),
-    ("gqa", 4, "4 query heads and 2/2 key/value heads; cp=4 must divide every head count (Ulysses gives each cp "
-               "rank H/cp heads): use a cp that divides 2, or repeat the k/v heads to 4"),
+    ("gqa", 4, "6 query heads over 3 key/value heads; cp=4 must divide the query heads (Ulysses gives each cp "
+               "rank 6/cp of them): use a cp that divides 6"),
     ("lse", 2, "output 1 (logsumexp) is used by"),
     ("bmm", 2, "is over 3-d scores; context parallelism rewrites attention over [batch, heads, seq, seq] scores"),
     ("param-bias", 2, "depends on a parameter"),
     ("weights-used", 2, "the attention probabilities softmax are used by"),
     ("cumsum-mask", 2, "computed with cumsum"),
     ("none", 2, "cp=2, but the graph has no attention"),
-], ids=["heads-not-divisible", "kv-heads-not-divisible", "logsumexp-used", "bmm-attention", "learned-bias",
+], ids=["heads-not-divisible", "query-heads-not-divisible", "logsumexp-used", "bmm-attention", "learned-bias",
         "probabilities-used", "mask-op-not-followed", "no-attention"])
 def test_errors_name_the_problem_and_the_fix(fake_group, mode, cp, expect):
     from autopar.passes.context_parallel import apply_context_parallel
 
-    heads = {"heads": 3, "gqa": 4}.get(mode, 2)
+    heads = {"heads": 3, "gqa": 6}.get(mode, 2)
     model = _Attn(mode, seq=8, heads=heads, d=12)
     x, y = torch.randn(2, 8, 12), torch.randn(2, 8, 12)
     captured = _capture_local(model, x, y, _mse, cp)

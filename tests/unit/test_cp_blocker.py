@@ -12,9 +12,9 @@ import torch.nn.functional as F
 class _Attn(nn.Module):
     """Embedding-free attention layer over [B, T, d] in several forms."""
 
-    def __init__(self, mode: str, heads: int = 2, d: int = 12, seq: int = 16):
+    def __init__(self, mode: str, heads: int = 2, d: int = 12, seq: int = 16, kv_heads: int = 0):
         super().__init__()
-        self.mode, self.heads = mode, heads
+        self.mode, self.heads, self.kv_heads = mode, heads, kv_heads
         self.qkv = nn.Linear(d, 3 * d)
         self.register_buffer("rope", torch.randn(seq, d // heads), persistent=False)
         self.sinks = nn.Parameter(torch.randn(heads))
@@ -24,7 +24,10 @@ class _Attn(nn.Module):
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
         q = q * self.rope[:t]  # a position table sliced by the length
         i = torch.arange(t, device=x.device)
-        if self.mode == "window":  # hand-written attention with a banded mask
+        if self.mode == "gqa":  # grouped-query SDPA over the first kv_heads key/value heads
+            kv = self.kv_heads
+            y = F.scaled_dot_product_attention(q, k[:, :kv], v[:, :kv], is_causal=True, enable_gqa=True)
+        elif self.mode == "window":  # hand-written attention with a banded mask
             band = (i[:, None] - i[None, :]).abs() <= 2
             y = (q @ k.transpose(-1, -2)).masked_fill(~band, float("-inf")).softmax(-1) @ v
         elif self.mode in ("position-ids", "chunked"):  # transformers' masks with use_cache=False
@@ -62,11 +65,11 @@ class _Attn(nn.Module):
         return y.transpose(1, 2).reshape(b, t, d)
 
 
-def _capture(mode, length, heads=2, d=12):
+def _capture(mode, length, heads=2, d=12, kv_heads=0):
     from autopar.passes import capture
 
     torch.manual_seed(0)
-    model = _Attn(mode, heads=heads, d=d)
+    model = _Attn(mode, heads=heads, d=d, kv_heads=kv_heads)
     x, y = torch.randn(2, length, d), torch.randn(2, length, d)
     return capture(model, (x,), y, F.mse_loss)
 
@@ -161,3 +164,51 @@ def test_blocker_agrees_on_hf_decoders(fake_group, name, use_cache):
     out = apply_context_parallel(shard, 2, 0, fake_group(2))
     a2a = sum("all_to_all" in str(n.target) for n in out.gm.graph.nodes)
     assert a2a == (10 if name == "gpt_oss" else 8), a2a  # q, k, v, out (+ the sinks) per layer, 2 layers
+
+
+def test_kv_repeats_give_each_rank_the_heads_its_queries_read():
+    """Brute force over head counts: after each key/value head is repeated kv_repeats(Hkv, cp)
+    times and the heads are split into cp equal blocks, local query head i of rank r reads local
+    key/value head i // (local q heads / local kv heads), and that is head h // (Hq / Hkv) of the
+    original grouped-query attention for its global query head h."""
+    from autopar.passes.context_parallel import kv_repeats
+
+    checked = 0
+    for hkv in range(1, 13):
+        for group in range(1, 5):
+            hq = hkv * group
+            for cp in (c for c in range(2, hq + 1) if hq % c == 0):
+                rep = kv_repeats(hkv, cp)
+                copies = [j for j in range(hkv) for _ in range(rep)]  # repeat_interleave order
+                assert len(copies) % cp == 0, (hq, hkv, cp, rep)
+                lkv, lq = len(copies) // cp, hq // cp
+                assert lq % lkv == 0, (hq, hkv, cp, rep)
+                for r in range(cp):
+                    local = copies[r * lkv:(r + 1) * lkv]
+                    for i in range(lq):
+                        assert local[i // (lq // lkv)] == (r * lq + i) // group, (hq, hkv, cp, r, i)
+                checked += 1
+    assert checked > 100
+    # hand values: cp dividing Hkv repeats nothing; one head per rank when cp >= Hkv
+    assert (kv_repeats(8, 4), kv_repeats(8, 16), kv_repeats(8, 64), kv_repeats(6, 4)) == (1, 2, 8, 2)
+
+
+@pytest.mark.parametrize("hq,hkv,cp,per_rank", [(12, 6, 4, 3), (4, 1, 4, 1), (4, 2, 2, 1)])
+def test_grouped_query_sdpa_takes_cp_up_to_its_query_heads(fake_group, hq, hkv, cp, per_rank):
+    """enable_gqa SDPA: cp must divide the query heads only; the rewritten attention reads
+    per_rank key/value heads (hand-counted: lcm(Hkv, cp) / cp) over the whole sequence, and the
+    planner reads the query heads as the cp limit."""
+    from autopar.passes.context_parallel import ATTENTION_OPS, apply_context_parallel, context_parallel_blocker
+    from autopar.planner.profile import attention_heads
+
+    length = 16
+    full = _capture("gqa", length, heads=hq, d=hq, kv_heads=hkv)
+    assert attention_heads(full.gm) == hq
+    assert context_parallel_blocker(full, cp) is None
+    bad = next(c for c in range(2, 17) if hq % c and length % c == 0)
+    assert "must divide the query heads" in context_parallel_blocker(full, bad)
+    shard = _capture("gqa", length // cp, heads=hq, d=hq, kv_heads=hkv)
+    rewritten = apply_context_parallel(shard, cp, 0, fake_group(cp))
+    sdpa = next(n for n in rewritten.gm.graph.nodes if n.target in ATTENTION_OPS)
+    q, k, v = (a.meta["val"].shape for a in sdpa.args[:3])
+    assert (q[1], q[2]) == (hq // cp, length) and (k[1], k[2]) == (per_rank, length) and v == k

@@ -188,3 +188,38 @@ def test_plan_model_from_dense_and_moe_configs_written_here(tmp_path):
     with pytest.raises(ValueError) as err:
         plan_model(hf_config=str(bad), gpus=8, global_batch=16, seq_len=32, device=get_profile("h100"))
     assert "\n" not in str(err.value) and "--hf-config" in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("preset,gpus,batch,seq", [("llama3-8b", 16, 64, 4096)])
+def test_config_with_a_presets_numbers_gets_its_plan(tmp_path, preset, gpus, batch, seq):
+    """Issue 34 P3: a Hugging Face Llama config.json written from a preset's own numbers
+    (planner/presets.py) is planned to the preset's layout (degrees, schedule, microbatches,
+    ZeRO): transformers' graph and autopar's Llama price the same per layer (its causal mask
+    becomes SDPA's is_causal, passes/causal_mask.py; both run grouped-query SDPA), and the
+    predicted step agrees within 3%."""
+    import json
+
+    from autopar.planner import plan_model, presets
+    from autopar.planner.presets import _spec
+
+    c = _spec(preset).config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.d_model,
+           "intermediate_size": c.ffn_hidden, "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
+           "num_key_value_heads": c.n_kv_heads, "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
+           "max_position_embeddings": c.seq_len, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": False,
+           "hidden_act": "silu", "torch_dtype": "bfloat16"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    from autopar.planner.devices import get_profile
+
+    dev = get_profile("h100")
+    hf, _ = plan_model(hf_config=str(path), gpus=gpus, global_batch=batch, seq_len=seq, device=dev)
+    pm = presets.build_preset(preset, seq_len=seq)
+    own, _ = plan_model(pm.model, pm.inputs, pm.target, pm.loss_fn, gpus=gpus, global_batch=batch, device=dev,
+                        name=pm.name, layer_repeats=pm.layer_repeats, n_heads=pm.n_heads, seq_len=seq)
+
+    def layout(res):
+        lay = res.chosen.layout
+        return lay.pp, lay.dp, lay.cp, lay.ep, lay.schedule, lay.m, lay.b, lay.zero
+    assert layout(hf) == layout(own), (layout(hf), layout(own))
+    assert hf.chosen.time == pytest.approx(own.chosen.time, rel=0.03)
