@@ -7,7 +7,7 @@ data.py                DataParallel: dp*cp replicas, gradient reduction, ZeRO 0-
                        storage, ZeRO-3 program rewrite, optimizer wrapping, shard mapping)
 context.py             ContextParallel: sequence sharding, the Ulysses graph rewrite
 expert.py              ExpertParallel: experts sharded over ep ranks, their state mapping
-zero_layout.py         ZeRO-2/3 layer groups as data (also read by planner/estimate.py)
+zero_layout.py         ZeRO-2/3 layer groups as data (also read by planner/memory_model.py)
 base.py                what every owner offers the orchestrator (autopar/build.py)
 =====================  =====================================================================
 

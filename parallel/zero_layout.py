@@ -1,6 +1,6 @@
 """ZeRO-2/3 memory layout as data: which parameters form which flat group, what each replica
 keeps, what is streamed and what stays resident. One definition, read by the runtime's flat
-storage (runtime/sharded.py) and by the planner's memory model (planner/estimate.py).
+storage (runtime/sharded.py) and by the planner's memory model (planner/memory_model.py).
 
 The parameters one pipeline rank trains (in model order, tied parameters once) are cut into
 *layer groups* (``layer_group``: a numbered block such as ``layers.3``, else the owning

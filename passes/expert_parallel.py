@@ -357,7 +357,7 @@ def dispatch_form(model: nn.Module):
     are restored on exit (its dispatch registration stays, owned by the module as
     ``_autopar_dispatch_form``: the captured graph reads the key). At ep = 1 the runtime
     runs the module's own implementation instead (grouped_mm: the same rows and FLOPs; W's
-    re-walk of the op is priced on top, planner/estimate.py)."""
+    re-walk of the op is priced on top, planner/time_model.py)."""
     _ours, found, _refused = _scan(model)
     undo = []
     try:

@@ -23,7 +23,7 @@ programs, so the collectives keep one order on the group. What each all-to-all c
 behind is written on the chain's output node, ``node.meta["autopar_moe_overlap"] =
 {"F": (flops before the middle op, flops after), "I": (...)}``; ``moe_dispatch.routed_info``
 reads it for the planner, which prices as exposed only the all-to-all time those FLOPs do
-not cover (planner/estimate.py). On CUDA the all-to-alls run on NCCL's stream and the window's
+not cover (planner/time_model.py). On CUDA the all-to-alls run on NCCL's stream and the window's
 kernels on the compute stream; on CPU gloo runs them on its own threads.
 """
 from __future__ import annotations

@@ -4,7 +4,9 @@
     res.chosen.layout, res.chosen.estimate.step_time, res.chosen.estimate.peak_memory
 
 Modules: ``profile`` (model -> per-unit costs), ``devices`` / ``comm`` (device profiles, alpha-beta
-collectives), ``estimate`` (time and memory of one candidate), ``ilp`` (stage-boundary ILP),
+collectives), ``estimate`` (time and memory of one candidate: ``Evaluator``, composed of
+``time_model``, ``memory_model`` and ``offload_model``; ``layout``: the plan as data; ``inflight``:
+a schedule's in-flight counts), ``ilp`` (stage-boundary ILP),
 ``search`` (the rounds), ``report`` (table and JSON), ``presets`` (meta-device models), ``cli``.
 """
 from __future__ import annotations
