@@ -104,7 +104,8 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         sim = self._sims.get(key)
         if sim is None:
             sim = simulate(sched, costs, p2p_latency=alpha, p2p_bandwidth=links["pp"].bandwidth,
-                           message_bytes=msg, stage_bytes=sb, i_free_fraction=frac, memory=False)
+                           message_bytes=msg, stage_bytes=sb, i_free_fraction=frac, memory=False,
+                           timeline=False)
             self._sims[key] = sim
         memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part), sched)
         dp_exposed, opt = self.after_pipeline(lay, part, s2r, sim, links)

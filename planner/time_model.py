@@ -236,17 +236,10 @@ class TimeModel:
         bw = self.stream_bandwidth(lay)
         ov = self.device.op_overhead_s
         kinds = self.stage_kinds(part)
-        done: dict[int, float] = {}
-        end = [0.0] * lay.pp
-        last_bwd = [(0.0, 0.0)] * lay.pp   # (end, duration) of the rank's last I/W/B
-        for r, a, t0, t1 in sim.timeline:
-            if t1 > end[r]:
-                end[r] = t1
-            if a.type in ("W", "B", "I"):
-                if t1 >= last_bwd[r][0]:
-                    last_bwd[r] = (t1, t1 - t0)
-                if a.type != "I" and t1 > done.get(a.stage, 0.0):
-                    done[a.stage] = t1
+        # from the simulation: when each rank's last action ended, (end, duration) of its last
+        # I/W/B, and when each stage's last W/B ended
+        end, last_bwd = sim.ends, sim.last_backward
+        done = {s: t for s, t in enumerate(sim.stage_done) if t > 0.0}
         # tied weights across pipeline ranks: (elements, holder ranks)
         tied = []
         for units, numel in getattr(self.profile, "shared_params", ()):

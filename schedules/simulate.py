@@ -39,6 +39,11 @@ class SimResult:
     peak_memory: tuple[float, ...]  # per rank, in ``memory_unit``
     memory_unit: str  # "M_B" or "bytes"
     timeline: tuple[tuple[int, Action, float, float], ...]  # (rank, action, start, end), by rank then order
+    # per rank, (end, duration) of its last I/W/B; per stage, when its last W/B ended (0 if none);
+    # per rank, when its last action ended
+    last_backward: tuple[tuple[float, float], ...] = ()
+    stage_done: tuple[float, ...] = ()
+    ends: tuple[float, ...] = ()
 
     @property
     def idle(self) -> tuple[float, ...]:
@@ -142,12 +147,16 @@ def _compiled(schedule: Schedule) -> _Compiled:
 
 def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandwidth: float | None = None,
              stage_bytes: Sequence[float] | None = None, *, message_bytes: Sequence[float] | None = None,
-             i_free_fraction: float = 0.5, memory: bool = True) -> SimResult:
+             i_free_fraction: float = 0.5, memory: bool = True, timeline: bool = True) -> SimResult:
     """Replay ``schedule`` with ``costs`` (per-rank (F, I, W[, B]), a ``Costs``, or None = unit).
-    ``memory=False``: leave ``peak_memory`` empty (its walk is not needed by every caller).
+    ``memory=False``: leave ``peak_memory`` empty (its walk is not needed by every caller);
+    ``timeline=False``: leave ``timeline`` empty (``last_backward`` and ``stage_done`` hold
+    what the planner reads of it).
 
-    Raises ValueError if the order cannot complete (an action waits on one that never runs);
-    ``validate()`` explains such schedules in more detail.
+    Event-driven: a rank runs its actions in order until one waits on a value not made yet; it
+    is then parked on that value and resumed when the value is made, so no rank is polled while
+    it waits. Raises ValueError if the order cannot complete (an action waits on one that never
+    runs); ``validate()`` explains such schedules in more detail.
     """
     c: Costs = as_costs(costs, schedule.stage_to_rank)
     S, pp = schedule.num_stages, schedule.pp
@@ -160,73 +169,103 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
     free = [0.0] * pp
     busy = [0.0] * pp
     pos = [0] * pp
+    last_bwd = [(0.0, 0.0)] * pp
+    stage_done = [0.0] * S
     ovl = [schedule.overlaps(r) for r in range(pp)]
     rows: list[list[tuple[int, Action, float, float]]] = [[] for _ in range(pp)]
-    remaining = sum(len(a) for a in schedule.actions)
     fb = c.fb_ratio
+    need_of, make_of = comp.needs, comp.makes
+    waiting: dict[int, list[int]] = {}  # key not made yet -> ranks parked on it
+    todo = list(range(pp - 1, -1, -1))  # ranks that can run (a stack: rank 0 first)
+    bwd_code, wb_code = S, 2 * S      # codes >= S are I/W/B, >= 2S are W/B
+
+    def missing(code: int, k: int) -> int:
+        for base, _ in need_of[code]:
+            if done[base + k] < 0.0:
+                return base + k
+        return -1
 
     def ready(code: int, k: int) -> float:
         t = 0.0
         for base, bnd in need_of[code]:
             e = done[base + k]
-            if e < 0.0:
-                return -1.0
             if bnd >= 0:
                 e += delay[bnd]
             if e > t:
                 t = e
         return t
 
-    need_of, make_of = comp.needs, comp.makes
-    while remaining:
-        progressed = False
-        for r in range(pp):
-            acts = schedule.actions[r]
-            n = len(acts)
-            code_r, k_r, ovl_r, row = comp.codes[r], comp.mbs[r], ovl[r], rows[r]
-            i, f_r, b_r = pos[r], free[r], busy[r]
-            while i < n:
-                code, k = code_r[i], k_r[i]
-                if ovl_r and i in ovl_r:
-                    code2, k2 = code_r[i + 1], k_r[i + 1]
-                    ta, tb = ready(code, k), ready(code2, k2)
-                    if ta < 0.0 or tb < 0.0:
-                        break
-                    start = max(f_r, ta, tb)
-                    dur = fb * (dur_of[code] + dur_of[code2])
-                    end = start + dur
-                    for base in make_of[code]:
-                        done[base + k] = end
-                    for base in make_of[code2]:
-                        done[base + k2] = end
+    def make(code: int, k: int, end: float) -> None:
+        for base in make_of[code]:
+            key = base + k
+            done[key] = end
+            woken = waiting.pop(key, None)
+            if woken:
+                todo.extend(woken)
+
+    while todo:
+        r = todo.pop()
+        acts = schedule.actions[r]
+        n = len(acts)
+        code_r, k_r, ovl_r, row = comp.codes[r], comp.mbs[r], ovl[r], rows[r]
+        i, f_r, b_r = pos[r], free[r], busy[r]
+        while i < n:
+            code, k = code_r[i], k_r[i]
+            if ovl_r and i in ovl_r:
+                code2, k2 = code_r[i + 1], k_r[i + 1]
+                key = missing(code, k)
+                if key < 0:
+                    key = missing(code2, k2)
+                if key >= 0:
+                    waiting.setdefault(key, []).append(r)
+                    break
+                ta, tb = ready(code, k), ready(code2, k2)
+                start = max(f_r, ta, tb)
+                dur = fb * (dur_of[code] + dur_of[code2])
+                end = start + dur
+                make(code, k, end)
+                make(code2, k2, end)
+                if timeline:
                     row.append((r, acts[i], start, end))
                     row.append((r, acts[i + 1], start, end))
-                    step = 2
-                else:
-                    t = ready(code, k)
-                    if t < 0.0:
-                        break
-                    start = f_r if f_r > t else t
-                    dur = dur_of[code]
-                    end = start + dur
-                    for base in make_of[code]:
-                        done[base + k] = end
+                step = 2
+                for c_ in (code, code2):
+                    if c_ >= wb_code and end > stage_done[c_ % S]:
+                        stage_done[c_ % S] = end
+                code = max(code, code2)
+            else:
+                key = missing(code, k)
+                if key >= 0:
+                    waiting.setdefault(key, []).append(r)
+                    break
+                t = ready(code, k)
+                start = f_r if f_r > t else t
+                dur = dur_of[code]
+                end = start + dur
+                make(code, k, end)
+                if timeline:
                     row.append((r, acts[i], start, end))
-                    step = 1
-                f_r = end
-                b_r += dur
-                i += step
-                remaining -= step
-                progressed = True
-            pos[r], free[r], busy[r] = i, f_r, b_r
-        if not progressed:
-            stuck = ", ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in range(pp)
-                              if pos[r] < len(schedule.actions[r]))
-            raise ValueError(f"schedule {schedule.name} cannot complete: every rank waits ({stuck}); "
-                             "run validate() for the broken dependency")
+                step = 1
+            if code >= bwd_code:
+                if end >= last_bwd[r][0]:
+                    last_bwd[r] = (end, end - start)
+                if code >= wb_code:
+                    st = code % S
+                    if end > stage_done[st]:
+                        stage_done[st] = end
+            f_r = end
+            b_r += dur
+            i += step
+        pos[r], free[r], busy[r] = i, f_r, b_r
+    if any(pos[r] < len(schedule.actions[r]) for r in range(pp)):
+        stuck = ", ".join(f"rank {r} at {schedule.actions[r][pos[r]]}" for r in range(pp)
+                          if pos[r] < len(schedule.actions[r]))
+        raise ValueError(f"schedule {schedule.name} cannot complete: every rank waits ({stuck}); "
+                         "run validate() for the broken dependency")
     makespan = max(free) if pp else 0.0
     bubble = 1.0 - sum(busy) / (pp * makespan) if makespan > 0 else 0.0
     unit = "bytes" if stage_bytes is not None else "M_B"
     return SimResult(makespan=makespan, bubble_fraction=bubble, busy=tuple(busy),
                      peak_memory=peak_memory(schedule, stage_bytes, i_free_fraction) if memory else (),
-                     memory_unit=unit, timeline=tuple(x for row in rows for x in row))
+                     memory_unit=unit, timeline=tuple(x for row in rows for x in row),
+                     last_backward=tuple(last_bwd), stage_done=tuple(stage_done), ends=tuple(free))

@@ -156,3 +156,12 @@ def test_timeline_satisfies_the_timing_rule(name, pp, m):
             prev_end[rank] = unit[0][2]
             j += len(unit)
     assert r.makespan == pytest.approx(max(prev_end))
+    # what the planner reads instead of the timeline (simulate(timeline=False)): per rank its end
+    # and its last I/W/B's (end, duration), per stage its last W/B's end, counted from the rows here
+    lean = simulate(s, c, p2p_latency=0.1, p2p_bandwidth=50.0, message_bytes=msg, timeline=False)
+    assert lean.timeline == () and lean.makespan == r.makespan and lean.busy == r.busy
+    assert lean.ends == tuple(max(e for _, _, e in by_rank[k]) for k in range(pp))
+    assert lean.last_backward == tuple(max(((e, e - b) for a, b, e in by_rank[k] if a.type in "IWB"),
+                                           default=(0.0, 0.0)) for k in range(pp))
+    assert lean.stage_done == tuple(max((e for _, a, _, e in r.timeline if a.stage == st and a.type in "WB"),
+                                        default=0.0) for st in range(S))
