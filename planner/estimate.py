@@ -100,13 +100,17 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         alpha = links["pp"].alpha_s
         if self.device.name == "cpu":
             alpha = max(alpha, CPU_P2P_LATENCY_S)
-        key = (id(sched), costs, msg, links["pp"], sb, frac)
-        sim = self._sims.get(key)
+        # a fixed order is a function of (schedule, pp, m, v); zb-auto's is searched per call
+        # (never cached: an id() could be reused by the next schedule once this one is freed)
+        key = None if lay.schedule == "zb-auto" else (lay.schedule, lay.pp, lay.m, lay.v, costs, msg, links["pp"],
+                                                     sb, frac)
+        sim = self._sims.get(key) if key is not None else None
         if sim is None:
             sim = simulate(sched, costs, p2p_latency=alpha, p2p_bandwidth=links["pp"].bandwidth,
                            message_bytes=msg, stage_bytes=sb, i_free_fraction=frac, memory=False,
                            timeline=False)
-            self._sims[key] = sim
+            if key is not None:
+                self._sims[key] = sim
         memory, peaks = self.memory(lay, part, s2r, self.activation_peaks(sched, lay, part), sched)
         dp_exposed, opt = self.after_pipeline(lay, part, s2r, sim, links)
         p = self.precision
