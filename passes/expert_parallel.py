@@ -79,7 +79,7 @@ import torch.nn as nn
 
 from autopar.nn import GroupedExperts, MoE
 
-from . import hf_moe, moe_dispatch
+from . import grouped_experts, hf_moe, moe_dispatch
 
 log = logging.getLogger("autopar")
 
@@ -189,12 +189,24 @@ def _scan(model: nn.Module):
             refused.append((name, type(m).__name__, f"{prefix} is a {type(experts).__name__} (separate expert "
                                                     "modules, routed with data-dependent shapes)"))
         elif any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router")):
-            why = hf_moe.generic_refusal(experts, m)  # an experts module of another form
+            why = _form_refusal(experts, m)  # an experts module of another form
             if why is None:
                 hf.append((name, prefix, experts))
             else:
                 refused.append((name, type(m).__name__, f"{prefix} ({type(experts).__name__}): {why}"))
     return ours, hf, refused
+
+
+def _form_refusal(experts: nn.Module, block: nn.Module, ep: int = 1) -> str | None:
+    """Why EP cannot shard an experts module that is not a transformers one, at ``ep``: called
+    with rows grouped by expert (one positional tensor, passes/grouped_experts.py) or with the
+    three tensors of the dropless contract (passes/hf_moe.py)."""
+    if grouped_experts.is_grouped(experts):
+        return grouped_experts.grouped_refusal(experts, block, ep)
+    return hf_moe.generic_refusal(experts, block, ep)
+
+
+_EP_FORMS = (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel, grouped_experts.GroupedExpertParallel)
 
 
 def moe_blocks(model: nn.Module) -> list[tuple[str, int]]:
@@ -271,7 +283,7 @@ def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
                          f"shard (expected {_EXPECTED}); build the model's MoE layers with autopar.nn.MoE, or use ep=1")
     done = ([name or "<root>" for name, m in ours if isinstance(m, ExpertParallelMoE)]
             + [name or "<root>" for name, _p, e in hf
-               if isinstance(e, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel))])
+               if isinstance(e, _EP_FORMS)])
     if done:
         raise ValueError(f"autopar: {done[:4]} are already expert-parallel; apply_expert_parallel runs once per model")
     for name, n_experts in [(n, m.n_experts) for n, m in ours] + [(n, hf_moe.expert_count(e)) for n, _p, e in hf]:
@@ -280,7 +292,7 @@ def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
                              f"ep={ep}; pick ep among the divisors of {n_experts} "
                              f"({[k for k in range(1, n_experts + 1) if n_experts % k == 0]})")
     for name, prefix, e in hf:
-        why = None if ep == 1 or hf_moe.is_hf_experts(e) else hf_moe.generic_refusal(e, model.get_submodule(name), ep)
+        why = None if ep == 1 or hf_moe.is_hf_experts(e) else _form_refusal(e, model.get_submodule(name), ep)
         if why:  # its own code on the E / ep local experts (the E ones passed in _scan)
             raise ValueError(f"autopar: expert parallelism does not support MoE block {name or '<root>'} at ep={ep}: "
                              f"{prefix} ({type(e).__name__}) with its {hf_moe.expert_count(e) // ep} local experts: "
@@ -313,12 +325,14 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
     shards: dict[str, ExpertShard] = {}
     for name, prefix, experts in hf:
         apply = hf_moe.apply_hf_expert_parallel if hf_moe.is_hf_experts(experts) else \
+            grouped_experts.apply_grouped_expert_parallel if grouped_experts.is_grouped(experts) else \
             hf_moe.apply_generic_expert_parallel
         for fqn, full_shape in apply(experts, prefix + ".", ep, ep_rank, group_name, model.get_submodule(name)):
             shards[fqn] = ExpertShard(fqn, 0, full_shape, ep, ep_rank)
         n_local = hf_moe.expert_count(experts) // ep
-        log.info("expert_parallel: %s (%s, dropless) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
-                 name or "<root>", type(experts).__name__, ep_rank * n_local, (ep_rank + 1) * n_local,
+        form = "rows grouped by expert" if isinstance(experts, grouped_experts.GroupedExpertParallel) else "dropless"
+        log.info("expert_parallel: %s (%s, %s) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
+                 name or "<root>", type(experts).__name__, form, ep_rank * n_local, (ep_rank + 1) * n_local,
                  hf_moe.expert_count(experts), ep, ep_rank)
     for name, m in ours:
         n_local = m.n_experts // ep
@@ -362,8 +376,8 @@ def dispatch_form(model: nn.Module):
     undo = []
     try:
         for name, _prefix, experts in found:
-            if isinstance(experts, (hf_moe.HFExpertParallel, hf_moe.GenericExpertParallel)):
-                continue  # already rewritten (EP > 1): it holds the dispatch op
+            if isinstance(experts, _EP_FORMS) or grouped_experts.is_grouped(experts):
+                continue  # already rewritten (EP > 1: it holds the dispatch op), or the static grouped form
             n = hf_moe.expert_count(experts)
             before = (experts.__class__, {a: experts.__dict__[a] for a in _EP_ATTRS if a in experts.__dict__})
             undo.append((experts, before))

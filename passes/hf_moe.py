@@ -93,7 +93,7 @@ _COUNT_ATTRS = ("num_experts", "n_experts", "num_local_experts", "n_routed_exper
 def _first_forward(cls: type):
     """The ``forward`` that ``cls`` runs: the first in its MRO, the EP mixins of this file skipped."""
     for c in cls.__mro__:
-        if c in (HFExpertParallel, GenericExpertParallel):
+        if c.__dict__.get("_autopar_ep_mixin"):  # HFExpertParallel, GenericExpertParallel, GroupedExpertParallel
             continue
         if "forward" in c.__dict__:
             return c.__dict__["forward"]
@@ -190,6 +190,8 @@ class HFExpertParallel:
     """Mixin over a transformers experts class: this rank holds experts
     ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes global expert ids and moves the
     rows to the experts' ranks and back (module docstring). Made by ``apply_hf_expert_parallel``."""
+
+    _autopar_ep_mixin = True
 
     ep: int
     ep_rank: int
@@ -353,16 +355,10 @@ def _run_probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | Non
     return False, None
 
 
-def generic_refusal(module: nn.Module, block: nn.Module | None = None, ep: int = 1) -> str | None:
-    """Why EP cannot shard this experts module of another form (module docstring), or None
-    when it can; ``block`` is the module holding it (its router gives ``d``), ``ep`` the degree
-    the forward is probed at (``E / ep`` local experts; the caller checks that ``ep`` divides
-    ``E``). Pure: runs the forward on fake tensors only."""
-    if isinstance(module, GenericExpertParallel):
-        return None  # already rewritten (the caller refuses a second rewrite)
-    why = _signature_refusal(module)
-    if why:
-        return why
+def parameter_refusal(module: nn.Module) -> str | None:
+    """Why the parameters of an experts module (not a transformers one) cannot be sharded on
+    dim 0, or None: each holds the ``E`` experts on dim 0, the ``num_experts``-like attributes
+    agree with ``E``, and no buffer looks per-expert."""
     params = list(module.named_parameters())
     if not params:
         return "it has no parameters (expected the experts' weights stacked on dim 0, [E, ...])"
@@ -380,6 +376,20 @@ def generic_refusal(module: nn.Module, block: nn.Module | None = None, ep: int =
         if b.dim() >= 1 and b.shape[0] == n_experts:
             return (f"buffer {name} {tuple(b.shape)} looks per-expert, and expert parallelism shards parameters "
                     "only: register it as an nn.Parameter(requires_grad=False)")
+    return None
+
+
+def generic_refusal(module: nn.Module, block: nn.Module | None = None, ep: int = 1) -> str | None:
+    """Why EP cannot shard this experts module of another form (module docstring), or None
+    when it can; ``block`` is the module holding it (its router gives ``d``), ``ep`` the degree
+    the forward is probed at (``E / ep`` local experts; the caller checks that ``ep`` divides
+    ``E``). Pure: runs the forward on fake tensors only."""
+    if isinstance(module, GenericExpertParallel):
+        return None  # already rewritten (the caller refuses a second rewrite)
+    why = _signature_refusal(module) or parameter_refusal(module)
+    if why:
+        return why
+    n_experts = expert_count(module)
     n_local = n_experts // ep
     errors = []
     for d in _hidden_size_candidates(module, block, n_experts):
@@ -412,6 +422,8 @@ class GenericExpertParallel:
     global expert ids, moves rows, ids and routing weights to the experts' ranks, runs
     ``run_local_experts`` there and sums each token's ``k`` results back on its own rank.
     Made by ``apply_generic_expert_parallel``."""
+
+    _autopar_ep_mixin = True
 
     ep: int
     ep_rank: int

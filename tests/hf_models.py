@@ -7,7 +7,8 @@ download, no weights from a hub): the architectures autopar is tested on, per ax
 ids; ``loss_fn`` is next-token cross entropy on the logits (``hf_lm_loss``), or the masked
 token loss for the encoder. ``HF_NAMES`` lists the cases; ``HF_DECODERS`` the causal LMs with
 RoPE (the CP cases); ``HF_MOE`` the mixture-of-experts ones (the EP cases); ``HF_SINKS`` eager
-attention with learned per-head sink logits (GPT-OSS, eager; also MoE), not in ``HF_NAMES``.
+attention with learned per-head sink logits (GPT-OSS, eager; also MoE), not in ``HF_NAMES``;
+``HF_GROUPED`` MoE whose experts take rows grouped by expert (Llama 4), not in ``HF_NAMES``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ HF_MOE = ("mixtral", "qwen3_moe", "deepseek_v3")
 HF_NAMES = ("gpt2",) + HF_DECODERS + HF_MOE + ("bert",)
 HF_SEQ2SEQ = ("t5",)  # encoder-decoder: batches from seq2seq_batch, not in HF_NAMES
 HF_SINKS = ("gpt_oss",)  # eager attention with learned per-head sink logits (also MoE, alternating sliding windows)
+# MoE whose experts take one tensor of rows grouped by expert (Llama 4: every expert gets every token,
+# scaled by its router score; top-1 sigmoid routing, a shared expert, chunked attention, NoPE layers)
+HF_GROUPED = ("llama4",)
 
 
 def _common(**kw) -> dict:
@@ -60,6 +64,10 @@ def _config(name: str):
     if name == "gpt_oss":
         return tf.GptOssConfig(**_common(intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    if name == "llama4":
+        return tf.Llama4TextConfig(**_common(intermediate_size=32, intermediate_size_mlp=64, head_dim=8,
+                                             num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                             attention_chunk_size=8, no_rope_layers=[1, 0], use_qk_norm=True))
     if name == "bert":
         return tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                              intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
@@ -87,10 +95,10 @@ def build_hf(name: str, seed: int = 0, use_cache: bool = True):
     cfg.use_cache = use_cache
     cfg.attn_implementation = "eager" if name in ("gemma2", "gpt_oss") else "sdpa"
     torch.manual_seed(seed)
-    cls = tf.BertForMaskedLM if name == "bert" else tf.AutoModelForCausalLM
+    cls = {"bert": tf.BertForMaskedLM, "llama4": tf.Llama4ForCausalLM}.get(name, tf.AutoModelForCausalLM)
     if name in HF_SEQ2SEQ:
         cls = tf.AutoModelForSeq2SeqLM
-    model = cls(cfg) if name == "bert" else cls.from_config(cfg)
+    model = cls(cfg) if name in ("bert", "llama4") else cls.from_config(cfg)
     model.train()
     return model
 

@@ -15,6 +15,11 @@ reported, the others still run):
            on each rank's experts. Qwen3-MoE differs from Mixtral only in its router, which EP
            leaves replicated; it is left out here for time.
 
+Llama 4 (``Llama4TextMoe``: its experts take ONE tensor of rows grouped by expert, every expert
+all N tokens scaled by its top-1 sigmoid router score, beside a shared expert; chunked attention and
+NoPE layers) runs at both worlds: its experts are recognized by that contract
+(passes/grouped_experts.py) and sharded on E with two even all-to-alls of the groups.
+
 GPT-OSS (experts called as ``experts(hidden_states, router_indices, routing_weights)``, with
 per-expert biases, a clamped SwiGLU over interleaved gate/up columns, a router with a bias) runs
 at both worlds, at world 4 under 1f1b: its experts are recognized by their contract (three
@@ -54,8 +59,8 @@ def lr_of(name: str) -> float:
     return LR_DROPLESS if name == "dropless" else LR
 PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3, moe_imbalance=1.25),
          4: dict(pp=2, dp=2, ep=2, schedule="dualpipev", num_microbatches=4, zero=1)}
-WORLD_MODELS = {2: MODELS + ("custom", "dropless", "gpt_oss", "deepseek_v3 limit"),
-                4: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss")}
+WORLD_MODELS = {2: MODELS + ("custom", "dropless", "gpt_oss", "llama4", "deepseek_v3 limit"),
+                4: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss", "llama4")}
 # (world, sub-case) -> plan fields that differ from the world's plan
 PLAN_CHANGES = {(4, "gpt_oss"): dict(schedule="1f1b"), (2, "deepseek_v3 limit"): dict(moe_receive_limit=1.25)}
 
@@ -205,6 +210,10 @@ def make_case(name: str):
                 gate = getattr(layer.mlp, "gate", None)
                 if gate is not None:  # selection only: the gates stay sigmoid(logits) of the chosen experts
                     gate.e_score_correction_bias.copy_(torch.tensor([1.0, 1.0, 0.0, 0.0]))
+        elif name == "llama4":  # experts that matter against the residual (initialized at std 0.02)
+            for layer in model.model.layers:
+                layer.feed_forward.experts.gate_up_proj.mul_(6.0)
+                layer.feed_forward.experts.down_proj.mul_(6.0)
         else:
             # a constant-sign feature in the residual stream (dim 0 of every embedding), which
             # expert 3's router row scores strongly negative: it never makes a token's top-2
@@ -383,7 +392,9 @@ def _check(name, plan, per_rank):
         for fqn, shape in sub["local_shapes"].items():
             assert shape[0] * 2 == ref_state[fqn].shape[0], (fqn, shape)
         assert sub["local_shapes"], "no expert parameter was sharded"
-    if plan.get("schedule") == "dualpipev":  # its F&B units run interleaved (runtime/execute.py run_paired)
+    # its F&B units run interleaved at the dropless dispatch's in-flight points (runtime/execute.py
+    # run_paired); Llama 4's grouped experts move their rows by the static all-to-alls, which have none
+    if plan.get("schedule") == "dualpipev" and name != "llama4":
         assert sum(res[name]["units"] for res in per_rank) > 0
 
 

@@ -364,3 +364,88 @@ def test_capture_differentiates_slice_writes():
     for got, want in zip(losses, ref_losses):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
     assert_close_state(pm.state_dict(), ref_state)
+
+
+class _Grouped(nn.Module):
+    """Experts given rows grouped by expert (Llama 4's form): ``[E * C, d]`` viewed as ``[E, C, d]``
+    against ``[E, ...]`` weights, the expert count read off the weights."""
+
+    def __init__(self, n_experts=4, d=8):
+        super().__init__()
+        self.num_experts = n_experts
+        self.w = nn.Parameter(torch.randn(n_experts, d, d))
+        self.b = nn.Parameter(torch.randn(n_experts, 1, d))
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(self.w.shape[0], -1, hidden_states.shape[-1])
+        return (torch.tanh(torch.bmm(x, self.w)) + self.b).reshape(-1, x.shape[-1])
+
+
+class _GroupedFixedCount(_Grouped):
+    def forward(self, hidden_states):
+        x = hidden_states.view(4, -1, hidden_states.shape[-1])  # all 4 experts, whatever this rank holds
+        return torch.bmm(x, self.w).reshape(-1, x.shape[-1])
+
+
+class _GroupedSummed(_Grouped):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states).view(self.w.shape[0], -1, 8).sum(0)  # the experts' sum, not per row
+
+
+class _GroupedSharedParam(_Grouped):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8))
+
+
+_GROUPED_REFUSED = [
+    (_GroupedSharedParam, r"parameter scale has shape \(8,\), expected the 4 experts \(num_experts=4\) on dim 0"),
+    (_GroupedSummed, r"its forward returns \(3, 8\) for rows grouped by expert \[12, 8\], expected one tensor of "
+                     r"12 rows in the same expert order"),
+]
+
+
+@pytest.mark.parametrize("experts, why", _GROUPED_REFUSED, ids=["shared-param", "summed-output"])
+def test_grouped_experts_breaking_the_contract_are_refused_by_name(experts, why):
+    """Rows grouped by expert (one positional tensor): the same parameter rules as the other
+    forms, and the forward must give one row per row it got, with E / ep experts."""
+    model = nn.Sequential(_Block(_Grouped()), _Block(experts()))
+    assert moe_blocks(model) == [("0", 4)]
+    refused = refused_moe_blocks(model)
+    assert [name for name, _w in refused] == ["1"] and re.search(why, refused[0][1]), refused
+    fixed = nn.Sequential(_Block(_GroupedFixedCount()))
+    assert refused_moe_blocks(fixed) == []  # with all 4 experts it keeps the form
+    with pytest.raises(ValueError, match=r"MoE block 0 at ep=2: 0.experts \(_GroupedFixedCount\) with its 2 local "
+                                         r"experts: its forward fails on rows grouped by expert \[6, 8\]"):
+        apply_expert_parallel(fixed, 2, 0, None)
+
+
+def test_grouped_experts_local_step_matches_the_module():
+    """ep=2 without a process group: each rank's module (parameters sliced in place, its expert
+    count attribute E / ep) run on its experts' groups of the [E * C, d] rows gives exactly
+    those rows of the unsharded module's output, and its parameters those rows of the gradients;
+    Llama 4's experts (transformers' Llama4TextExperts) are recognized as this form."""
+    from autopar.passes import grouped_experts, hf_moe
+
+    g = torch.Generator().manual_seed(0)
+    n_experts, cap, d, ep = 4, 3, 8, 2
+    full = _Grouped(n_experts, d)
+    x = torch.randn(n_experts * cap, d, generator=g)
+    want = full(x)
+    grad = torch.randn_like(want)
+    want.backward(grad)
+    for r in range(ep):
+        m = copy.deepcopy(full)
+        m.zero_grad()
+        shards = grouped_experts.apply_grouped_expert_parallel(m, "experts.", ep, r, None)
+        assert shards == [("experts.w", (4, d, d)), ("experts.b", (4, 1, d))]
+        assert m.w.shape[0] == 2 and m.num_experts == 2 and hf_moe.expert_count(m) == n_experts
+        rows = slice(r * 2 * cap, (r + 1) * 2 * cap)
+        out = hf_moe._first_forward(type(m))(m, x[rows])  # the module's own code on its experts' rows
+        torch.testing.assert_close(out, want[rows].detach(), rtol=1e-6, atol=1e-6)
+        out.backward(grad[rows])
+        torch.testing.assert_close(m.w.grad, full.w.grad[r * 2:(r + 1) * 2], rtol=1e-5, atol=1e-6)
+    llama4 = build_hf("llama4")
+    assert moe_blocks(llama4) == [("model.layers.0.feed_forward", 4), ("model.layers.1.feed_forward", 4)]
+    assert refused_moe_blocks(llama4) == []
+    assert grouped_experts.is_grouped(llama4.model.layers[0].feed_forward.experts)

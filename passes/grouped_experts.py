@@ -1,0 +1,188 @@
+"""Expert parallelism for experts modules that take their rows already grouped by expert.
+
+The form (``is_grouped`` / ``grouped_refusal``): a block with a ``gate`` / ``router`` child hands
+its ``experts`` child ONE tensor of rows grouped by expert, expert-major with the same number of
+rows ``C`` for every expert: ``[E * C, d]`` or ``[E, C, d]``, and gets back the experts' outputs in
+the same layout (``[E * C, d']`` / ``[E, C, d']``), row ``e * C + c`` computed by expert ``e``
+alone. Llama 4's ``Llama4TextMoe`` is the public example: it gives every expert all ``N`` tokens
+scaled by the expert's router score (``hidden.repeat(E, 1) * scores``, so ``C = N``) and sums
+the ``E`` results; static-capacity blocks that fill ``[E, C, d]`` slot buffers are the other.
+Every parameter of the experts module (its children's included) holds the ``E`` experts on dim 0
+(``parameter_refusal``), its forward takes exactly one positional tensor, and it must compute
+with ``E / ep`` experts when its parameters are sliced to them (its ``num_experts``-like
+attributes set to ``E / ep``): checked by running the forward on fake tensors with ``[El * 3, d]``
+rows, before any communication. That expert ``e``'s rows depend on expert ``e``'s parameters
+only is the form's contract (the module views its input as ``[E, -1, d]`` against ``[E, ...]``
+weights); nothing cheaper than running it can check it, so it is documented, not probed.
+
+Under EP (``GroupedExpertParallel``) each rank keeps experts ``[r * El, (r + 1) * El)`` and the
+call becomes the static all-to-all of ``autopar.nn.MoE``'s capacity form
+(passes/expert_parallel.py): rows ``[j * El * C, (j + 1) * El * C)`` (rank j's experts) go to
+rank j, which runs the module's own forward on ``[El, ep * C, ...]`` (its experts' rows from every
+rank), and the inverse all-to-all brings each rank's rows back in expert order. Both all-to-alls
+are even (``C`` is static: every rank of an EP group holds the same microbatch shape), so the
+graph stays static and the captured forward holds ``all_to_all_single`` ops whose backward the
+joint trace derives (design.md §9); the planner prices the form from the experts' batched
+matmuls, as the static form it is (``dispatch_bytes`` in planner/profile.py): no token is
+dropped or added, and every expert computes all ``C`` of its rows on every rank.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn as nn
+
+from .hf_moe import _count_attrs, _first_forward, _hidden_size_candidates, expert_count, parameter_refusal
+
+__all__ = ["GroupedExpertParallel", "apply_grouped_expert_parallel", "grouped_refusal", "is_grouped"]
+
+_PROBE_ROWS = 3  # rows per expert the fake probe hands the forward
+
+
+def is_grouped(module: nn.Module) -> bool:
+    """Whether the experts module's forward takes exactly one argument, positional (the grouped
+    rows), and nothing else."""
+    forward = _first_forward(type(module))
+    if forward is None:
+        return False
+    params = list(inspect.signature(forward).parameters.values())[1:]  # without self
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(params) == 1 and params[0].kind in positional
+
+
+def grouped_refusal(module: nn.Module, block: nn.Module | None = None, ep: int = 1) -> str | None:
+    """Why EP cannot shard this grouped-rows experts module at ``ep`` (module docstring), or
+    None; ``ep`` must divide its expert count (the caller checks). Pure: fake tensors only."""
+    if isinstance(module, GroupedExpertParallel):
+        return None
+    why = parameter_refusal(module)
+    if why:
+        return why
+    n_local = expert_count(module) // ep
+    errors = []
+    for d in _hidden_size_candidates(module, block, expert_count(module)):
+        why = _probe(module, n_local, d)
+        if why is None:
+            return None
+        errors.append(why)
+    return errors[0] if errors else "it has no parameter that gives the hidden size d"
+
+
+def _probe(module: nn.Module, n_local: int, d: int) -> str | None:
+    """Run the forward with the parameters sliced to ``n_local`` experts on fake ``[n_local * 3, d]``
+    rows: None when it returns one tensor of ``n_local * 3`` rows."""
+    from torch._export.utils import _compiling_state_context
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    params = dict(module.named_parameters())
+    first = next(iter(params.values()))
+    dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
+    rows = n_local * _PROBE_ROWS
+    saved = _count_attrs(module)
+    try:
+        for a in saved:
+            setattr(module, a, n_local)
+        with _compiling_state_context(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            x = torch.empty(rows, d, dtype=dtype, device=first.device)
+            out = torch.func.functional_call(module, {n: p[:n_local] for n, p in params.items()}, (x,))
+    except Exception as e:  # noqa: BLE001 - the user's code: report what it raised
+        return (f"its forward fails on rows grouped by expert [{rows}, {d}] ({_PROBE_ROWS} rows for each of "
+                f"{n_local} experts): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
+    finally:
+        for a, v in saved.items():
+            setattr(module, a, v)
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != rows:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        return (f"its forward returns {shape} for rows grouped by expert [{rows}, {d}], expected one tensor of "
+                f"{rows} rows in the same expert order")
+    return None
+
+
+class GroupedExpertParallel:
+    """Mixin over a grouped-rows experts class: this rank holds experts
+    ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes the block's ``[E * C, ...]`` or
+    ``[E, C, ...]`` rows, sends each expert's rows to its rank, runs the module's own forward on
+    the ``[El, ep * C, ...]`` rows of its experts and returns every rank's rows in expert order.
+    Made by ``apply_grouped_expert_parallel``."""
+
+    _autopar_ep_mixin = True
+    ep: int
+    ep_rank: int
+    ep_group: str
+    ep_experts: int  # global E
+    ep_local: int  # El
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+        x = hidden_states
+        E, El, ep = self.ep_experts, self.ep_local, self.ep
+        stacked = x.dim() >= 3 and x.shape[0] == E  # [E, C, ...]; else [E * C, ...]
+        if not stacked and x.shape[0] % E:
+            raise ValueError(f"autopar: expert-parallel {type(self).__name__} got rows {tuple(x.shape)}: expected "
+                             f"them grouped by its {E} experts, [E * C, ...] or [E, C, ...]")
+        cap = x.shape[1] if stacked else x.shape[0] // E
+        rest = tuple(x.shape[2:] if stacked else x.shape[1:])
+        width = math.prod(rest)
+        splits = [El * cap] * ep  # even: every rank sends C rows for each of rank j's El experts
+        recv = all_to_all_single_autograd(x.reshape(E * cap, width), splits, splits, self.ep_group)
+        # [source rank, local expert, row, ...] -> [local expert, source rank * row, ...]
+        local = recv.view(ep, El, cap, width).transpose(0, 1)
+        local = local.reshape((El, ep * cap) + rest if stacked else (El * ep * cap,) + rest)
+        y = _first_forward(type(self))(self, local)
+        out_rest = tuple(y.shape[2:] if stacked else y.shape[1:])
+        out_width = math.prod(out_rest)
+        # back to [owner rank, local expert, row, ...]: chunk i returns to rank i, its own rows
+        send = y.reshape(El, ep, cap, out_width).transpose(0, 1).reshape(E * cap, out_width)
+        back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
+        return back.view((E, cap) + out_rest if stacked else (E * cap,) + out_rest)
+
+    def extra_repr(self) -> str:
+        lo = self.ep_rank * self.ep_local
+        return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _grouped_class(cls: type) -> type:
+    if cls not in _CLASSES:
+        name, i = f"ExpertParallel{cls.__name__}", 1
+        while name in globals():  # two classes of one name get two names here
+            i += 1
+            name = f"ExpertParallel{cls.__name__}_{i}"
+        new = type(name, (GroupedExpertParallel, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = new  # picklable by name, like a class written here
+        _CLASSES[cls] = new
+    return _CLASSES[cls]
+
+
+def apply_grouped_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
+                                  block: nn.Module | None = None):
+    """Keep this rank's ``E / ep`` experts of a grouped-rows experts module, in place
+    (``grouped_refusal(experts, block, ep) is None`` and ``E % ep == 0`` checked by the caller):
+    every parameter, its children's included, becomes a copy of its dim-0 slice (one copy of a
+    parameter held twice), the ``num_experts``-like attributes become ``E / ep``. Returns
+    ``[(fqn, full_shape)]`` of the sharded parameters (``prefix`` ends with ``experts.``).
+    ``ep == 1`` changes nothing."""
+    n_experts = expert_count(experts)
+    n_local = n_experts // ep
+    lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
+    sharded = [(prefix + name, tuple(p.shape)) for name, p in experts.named_parameters()]
+    if ep > 1:
+        copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (full, kept alive; local)
+        for mod in experts.modules():
+            for pname, p in list(mod._parameters.items()):
+                if p is None:
+                    continue
+                if id(p) not in copies:  # a copy of the slice: the model no longer references the full tensor
+                    copies[id(p)] = (p, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
+                mod._parameters[pname] = copies[id(p)][1]
+        for a in _count_attrs(experts):
+            setattr(experts, a, n_local)
+        experts.__class__ = _grouped_class(type(experts))
+        experts.ep, experts.ep_rank, experts.ep_group = ep, ep_rank, group_name
+        experts.ep_experts, experts.ep_local = n_experts, n_local
+    return sharded
