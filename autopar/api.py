@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from autopar import batches, metrics, state
 from autopar import build as _build
-from autopar.passes import moe_dispatch
 from autopar.plan import Plan
+from autopar.runtime import moe_exchange
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
@@ -134,18 +134,15 @@ class ParallelModel:
         n_total = plan.dp * b.num_microbatches * plan.cp  # a cp rank's local mean loss weighs 1/cp
         if train:
             b.parallelisms["dp"].zero_grads()
-        moe_dispatch.clear(b.moe_keys)  # what a failed step of this model left behind
-        moe_dispatch.reset_stats(b.moe_keys)
         total = None
         local = self.batch == "local"
         shifted = not getattr(getattr(self.model, "config", None), "is_encoder_decoder", False)
         replicas = list(batches.microbatches(b, inputs, target, local=local))  # checks every tensor first
         scales = batches.label_scales(b, inputs, names, self.loss_fn, local, shifted, target)
-        for r, mbs in enumerate(replicas):
-            loss = b.executor.run(mbs, scales[r] if scales is not None else 1.0 / n_total, train=train)
-            total = loss if total is None else total + loss
-        if not train:
-            moe_dispatch.clear(b.moe_keys)  # a forward-only pass: no backward reads the routed rows
+        with moe_exchange.model_step(b.moe_entries, backward=train):  # its MoE experts' states and statistics
+            for r, mbs in enumerate(replicas):
+                loss = b.executor.run(mbs, scales[r] if scales is not None else 1.0 / n_total, train=train)
+                total = loss if total is None else total + loss
         return b, inputs, total
 
     # -- training ---------------------------------------------------------------------------

@@ -38,6 +38,7 @@ import torch.nn as nn
 from autopar import batches, schedules
 from autopar.passes.token_loss import ignore_index_of
 from autopar.plan import Plan
+from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -63,7 +64,7 @@ class Built:
     prediction: dict | None = None  # the planner's summary and predicted step time / peak, when it planned
     device: torch.device = torch.device("cpu")
     checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
-    moe_keys: tuple = ()           # dispatch keys of its dropless experts modules (moe_dispatch states, stats)
+    moe_entries: tuple = ()        # its dropless experts modules' dispatch entries (runtime/moe_exchange.py)
     # the loss is a token mean of the target ignoring this index (passes/token_loss.py): the
     # step is normalized by the valid target entries of the global batch; None otherwise
     target_ignore_index: int | None = None
@@ -96,30 +97,33 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     mb = batch // (plan.dp * plan.num_microbatches)
     cp = owners.get("cp")
     local = cp.local if cp is not None else (lambda t: t)
-    captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
-                                  target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
-                                  precision=mixed_precision, input_names=input_names, causal_masks=cp is None)
-    captured = rewrite_graph(captured=captured, owners=owners)
-    stages, schedule = split(captured=captured, plan=plan)
-    params = unique_params(model)
-    trainable = {f for f, p in params.items() if p.requires_grad}
-    options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
-    routes = route_optimizer(factory=optimizer, captured=captured, options=options)
-    programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
-    values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
-                           owners=owners, device=input_device(inputs), buffers=buffers)
-    executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
-                                       schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
-                                       trainable=trainable, values=values, precision=mixed_precision, options=options,
-                                       device=input_device(inputs), timeout=timeout, generated=generated,
-                                       grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
-                                       local_transfers=local_transfers)
+    entries = moe_exchange.entries_of(model)  # what the dispatch ops find while the graph is built and timed
+    with moe_exchange.serving(entries):
+        captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
+                                      target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
+                                      precision=mixed_precision, input_names=input_names, causal_masks=cp is None)
+        captured = rewrite_graph(captured=captured, owners=owners)
+        stages, schedule = split(captured=captured, plan=plan)
+        params = unique_params(model)
+        trainable = {f for f, p in params.items() if p.requires_grad}
+        options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
+        routes = route_optimizer(factory=optimizer, captured=captured, options=options)
+        programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
+        values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
+                               owners=owners, device=input_device(inputs), buffers=buffers)
+        executor, programs = make_executor(model=model, captured=captured, stages=stages, programs=programs,
+                                           schedule=schedule, plan=plan, mesh=mesh, owners=owners, params=params,
+                                           trainable=trainable, values=values, precision=mixed_precision,
+                                           options=options,
+                                           device=input_device(inputs), timeout=timeout, generated=generated,
+                                           grad_reduce=grad_reduce, bucket_bytes=bucket_bytes,
+                                           local_transfers=local_transfers)
     opt = make_optimizer(factory=optimizer, owners=owners, routes=routes)
     return Built(plan=plan, captured=captured, stages=stages, programs=programs, schedule=schedule,
                  executor=executor, params=params, microbatch_size=mb, input_shapes=tuple(x.shape[1:] for x in inputs),
                  target_shape=None if target is None else tuple(target.shape[1:]), mesh=mesh, parallelisms=owners,
                  optimizer=opt, prediction=prediction, checkpoint=checkpoint[0] if checkpoint else None,
-                 device=input_device(inputs), moe_keys=moe_keys(model),
+                 device=input_device(inputs), moe_entries=tuple(entries.values()),
                  target_ignore_index=ignore_index_of(captured) if loss_fn is not None else None)
 
 
@@ -276,12 +280,6 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
         if hasattr(module, "_autopar_dispatch_key"):
             moe_dispatch.set_receive_policy(module, plan.moe_imbalance, plan.moe_receive_limit)
     return owners
-
-
-def moe_keys(model: nn.Module) -> tuple[int, ...]:
-    """The dispatch keys of the model's dropless experts modules (its own dispatch states and
-    receive statistics: passes/moe_dispatch.py)."""
-    return tuple(sorted({m._autopar_dispatch_key for m in model.modules() if hasattr(m, "_autopar_dispatch_key")}))
 
 
 def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, precision=None, input_names=None,

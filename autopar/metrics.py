@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from autopar.passes import moe_dispatch
+from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -92,7 +92,7 @@ class Recorder:
                **{k: v for k, v in (built.prediction or {}).items() if k != "summary"}}
         if built.executor.work.offload is not None:
             out["offloaded_bytes"] = built.executor.work.offload.offloaded_bytes
-        routed = moe_dispatch.receive_stats(built.moe_keys)
+        routed = moe_exchange.receive_stats(built.moe_entries)
         if routed["dispatches"]:
             self.steps_over_priced += bool(routed["over_priced"])
             out.update(moe_max_receive_rows=routed["max_rows"], moe_mean_receive_rows=routed["mean_rows"],

@@ -288,7 +288,7 @@ class MoE(nn.Module):
         (the expert-parallel form holds ``E / ep`` experts and passes its group)."""
         ep = getattr(self, "ep", 1)
         e = self.experts
-        return moe_dispatch.dropless_experts(xf, ids, gates, [e.w1, e.w3, e.w2], e._autopar_dispatch_key,
+        return moe_dispatch.dropless_experts(xf, ids, gates, [e.w1, e.w3, e.w2], e,
                                              getattr(self, "ep_group", None), ep, self.n_experts // ep)
 
     def forward(self, x: torch.Tensor):

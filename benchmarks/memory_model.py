@@ -327,8 +327,8 @@ def _categorized_bytes(state: dict) -> dict:
 # the Python bodies of autopar's custom ops' kernels, by module: what they allocate inside is
 # invisible to a dispatch mode (popped while the op it intercepted runs) unless re-entered there
 KERNEL_BODIES = {
-    "autopar.passes.moe_dispatch": ("_send", "_experts", "_combine", "_grad_send", "_grad_input",
-                                    "_grad_combine", "_grad_weight"),
+    "autopar.runtime.moe_exchange": ("send_rows", "run_experts", "combine_rows", "send_grads", "input_grads",
+                                     "combine_grads", "weight_grads"),
     "autopar.linear_ce": ("_forward", "_grad_weight"),
 }
 

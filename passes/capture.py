@@ -21,6 +21,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_leaves
 
 from autopar.errors import CaptureError
+from autopar.runtime.moe_exchange import entries_of, serving
 
 from .captured import CapturedGraph
 from .causal_mask import make_causal
@@ -91,7 +92,8 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
     _copy_before_training_views(captured, model)
     if causal_masks:
         make_causal(captured.gm)
-    annotate_costs(captured.gm)
+    with serving(entries_of(model)):  # a dropless MoE's ops are priced from their experts' entries
+        annotate_costs(captured.gm)
     captured.gm.graph.lint()
     return captured
 

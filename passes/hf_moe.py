@@ -174,7 +174,7 @@ def _dispatch(module, hidden_states, top_k_index, top_k_weights, n_local: int) -
     params = dict(module.named_parameters())
     spec_names = moe_dispatch.registered_names(module)
     return moe_dispatch.dropless_experts(hidden_states, top_k_index, top_k_weights, [params[n] for n in spec_names],
-                                         module._autopar_dispatch_key, module.ep_group, module.ep, n_local)
+                                         module, module.ep_group, module.ep, n_local)
 
 
 def _register(experts: nn.Module, block: nn.Module | None, layer: str, n_experts: int, n_local: int) -> None:

@@ -27,7 +27,7 @@ from .captured import CapturedGraph
 from .costs import node_time
 
 # IN_FLIGHT_OPS: a MoE dispatch chain's handle before its last op stays in its stage
-from .moe_dispatch import IN_FLIGHT_OPS, pin_entries
+from .moe_dispatch import IN_FLIGHT_OPS
 
 log = logging.getLogger("autopar")
 
@@ -328,7 +328,6 @@ def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages) -> St
     g.eliminate_dead_code()
     gm = fx.GraphModule(torch.nn.Module(), g)
     gm.graph.lint()
-    pin_entries(gm)  # the stage keeps its MoE blocks' dispatch entries alive (the registry is weak)
     assert has_loss == (k == num_stages - 1), f"loss landed in stage {k} of {num_stages}"
     return StageGraph(
         index=k, gm=gm,

@@ -52,6 +52,7 @@ from autopar.parallel.zero_layout import ParamSpec, ns_flops
 from autopar.passes.context_parallel import kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import view_base as _base
+from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -517,10 +518,12 @@ class _UnitTimer:
     integer ones), output gradients random tensors (the loss's the scalar scale). All units
     are timed together, round-robin (a warm-up round, then up to ``rounds`` rounds within about
     ``budget_s``, at least 3), so a drift in the machine's speed hits every unit alike; the
-    median per program is kept. One intra-op thread, as each runtime process runs."""
+    median per program is kept. One intra-op thread, as each runtime process runs. ``entries``:
+    the model's MoE experts entries, served while the programs run (runtime/moe_exchange.py)."""
 
-    def __init__(self, state: dict, data: dict, rounds: int = 15, budget_s: float = 1.0):
-        self.state, self.data = state, data
+    def __init__(self, state: dict, data: dict, entries: dict | None = None, rounds: int = 15,
+                 budget_s: float = 1.0):
+        self.state, self.data, self.entries = state, data, dict(entries or {})
         self.rounds, self.budget_s = rounds, budget_s
         self.units: list[tuple] = []
         self.result: list[tuple] | None = None
@@ -571,14 +574,17 @@ class _UnitTimer:
                 return None
             wanted = {st.index for _sp, st, _c in self.units}
             trainable = set(cap.params.values())
-            progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted))
+            self.entries.update(moe_exchange.entries_of(model))  # this capture's experts entries, served by _measure
+            with moe_exchange.serving(self.entries):
+                progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted))
 
             def unit(st, chunk):
                 if not chunk:
                     return progs[st.index], stages[st.index]
                 requires = {n: True for n in progs[st.index - 1].diff_outputs} if st.index else {}
                 chunked = chunk_stage_loss(stages[st.index], chunk)
-                return split_backward(chunked, requires, trainable), chunked
+                with moe_exchange.serving(self.entries):
+                    return split_backward(chunked, requires, trainable), chunked
 
             state = dict(self.state)
             state.update(keys.state({}, {}, cap.constants))
@@ -630,10 +636,13 @@ class _UnitTimer:
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        served = None
         try:
             if not reuse or not hasattr(self, "_second_built"):
                 self._second_built = self._second() if self._second is not None else None
             second = self._second_built
+            served = moe_exchange.serving(self.entries)  # the model's experts entries, both captures'
+            served.__enter__()
             jobs = [(sp, stage, self.state, self.data) for sp, stage, _c in self.units]
             if second is not None:
                 units1, state1, data1, ratio = second
@@ -661,6 +670,8 @@ class _UnitTimer:
                 return [(m, None, 1.0) for m in med]
             return [(med[j], med[n + j], ratio) for j in range(n)]
         finally:
+            if served is not None:
+                served.__exit__(None, None, None)
             torch.set_num_threads(threads)
 
 
@@ -810,55 +821,59 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     capture_s = time.perf_counter() - t0
     say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
 
-    if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops
-        n_heads = attention_heads(captured.gm)
-    cuts, labels, stages = _units_of(captured)
-    routes = route_parameters(captured)  # what autopar.Muon would step (priced under --optimizer muon)
-    t1 = time.perf_counter()
-    trainable = set(captured.params.values())
-    kinds: dict[tuple, UnitKind] = {}
-    unit_kinds = []
-    is_expert = (lambda fqn: any(p in fqn for p in expert_prefixes)) if expert_prefixes else (lambda fqn: False)
-    # real CPU tensors (not a fake/meta capture): units can be timed on this machine
-    real = fmodel is model and all(t.device.type == "cpu" for t in model.parameters())
-    state, data = {}, {}
-    timer = _UnitTimer(state, data)
-    if real:
-        timer.second_batch(model, inputs, target, loss_fn, batch0, labels, input_names)
-        state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
-                                captured.constants))
-        data.update(zip(captured.inputs, inputs))
-        if captured.target is not None:
-            data[captured.target] = target
-    sigs: dict[int, tuple] = {}  # unit -> its signature
-    seen: set[tuple] = set()
+    # the dispatch ops of the capture find their experts modules' entries while the units are
+    # traced, priced and timed (runtime/moe_exchange.py)
+    entries = {**moe_exchange.entries_of(model), **moe_exchange.entries_of(fmodel)}
+    with moe_exchange.serving(entries):
+        if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops
+            n_heads = attention_heads(captured.gm)
+        cuts, labels, stages = _units_of(captured)
+        routes = route_parameters(captured)  # what autopar.Muon would step (priced under --optimizer muon)
+        t1 = time.perf_counter()
+        trainable = set(captured.params.values())
+        kinds: dict[tuple, UnitKind] = {}
+        unit_kinds = []
+        is_expert = (lambda fqn: any(p in fqn for p in expert_prefixes)) if expert_prefixes else (lambda fqn: False)
+        # real CPU tensors (not a fake/meta capture): units can be timed on this machine
+        real = fmodel is model and all(t.device.type == "cpu" for t in model.parameters())
+        state, data = {}, {}
+        timer = _UnitTimer(state, data, entries)
+        if real:
+            timer.second_batch(model, inputs, target, loss_fn, batch0, labels, input_names)
+            state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
+                                    captured.constants))
+            data.update(zip(captured.inputs, inputs))
+            if captured.target is not None:
+                data[captured.target] = target
+        sigs: dict[int, tuple] = {}  # unit -> its signature
+        seen: set[tuple] = set()
 
-    def first_of_its_kind(st, requires: dict) -> bool:
-        """Units with identical graphs and input gradients share one joint trace."""
-        sig = sigs[st.index] = (_signature(st), tuple(requires.get(n, False) for n in st.inputs))
-        new = sig not in seen
-        seen.add(sig)
-        return new
+        def first_of_its_kind(st, requires: dict) -> bool:
+            """Units with identical graphs and input gradients share one joint trace."""
+            sig = sigs[st.index] = (_signature(st), tuple(requires.get(n, False) for n in st.inputs))
+            new = sig not in seen
+            seen.add(sig)
+            return new
 
-    last_requires: dict = {}  # which inputs of the last unit carry a gradient
-    for st, label, sp in zip(stages, labels, stage_programs(stages, trainable, held=first_of_its_kind)):
-        if st.index == len(stages) - 2:
-            last_requires = {name: True for name in sp.diff_outputs}
-        sig = sigs[st.index]
-        if isinstance(sp, StageProgram):
-            kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
-                                    measure=timer.add(sp, st) if real else None, routes=routes)
-            routed = _routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
-            if routed is not None:
-                k = kinds[sig]
-                # after I the op also keeps the received rows' output gradients for W (row_bytes a row)
-                kinds[sig] = replace(k, routed=routed, dispatch_bytes=routed.rows * routed.row_bytes,
-                                     saved_bytes=k.saved_bytes + routed.saved_bytes,
-                                     saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
-                                                                                   + routed.row_bytes))
-        unit_kinds.append(kinds[sig])
-    chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
-                                            timer if real else None)
+        last_requires: dict = {}  # which inputs of the last unit carry a gradient
+        for st, label, sp in zip(stages, labels, stage_programs(stages, trainable, held=first_of_its_kind)):
+            if st.index == len(stages) - 2:
+                last_requires = {name: True for name in sp.diff_outputs}
+            sig = sigs[st.index]
+            if isinstance(sp, StageProgram):
+                kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
+                                        measure=timer.add(sp, st) if real else None, routes=routes)
+                routed = _routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
+                if routed is not None:
+                    k = kinds[sig]
+                    # after I the op also keeps the received rows' output gradients for W (row_bytes a row)
+                    kinds[sig] = replace(k, routed=routed, dispatch_bytes=routed.rows * routed.row_bytes,
+                                         saved_bytes=k.saved_bytes + routed.saved_bytes,
+                                         saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
+                                                                                       + routed.row_bytes))
+            unit_kinds.append(kinds[sig])
+        chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
+                                                timer if real else None)
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
     if moe:

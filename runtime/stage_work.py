@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from autopar.passes import keys, moe_dispatch
+from autopar.passes import keys
 from autopar.passes.program import StageProgram
 
 from .execute import run, run_paired, start
+from .moe_exchange import fused_backward
 
 
 class ParamGrads:
@@ -144,7 +145,7 @@ class StageWork:
         prog, env = self.programs[s], self.envs[s, k]
         if self.offload is not None:
             self.offload.before(s, k, env, "B")
-        with moe_dispatch.fused_backward():
+        with fused_backward():
             yield from self._gradients(s, prog.b, env, paused)
         gin = {name: env.pop(keys.gin(name)) for name in prog.grad_inputs}
         _release(env, frozenset({"__outputs__"}))

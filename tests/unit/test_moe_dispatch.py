@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.nn import MoE
 from autopar.passes import moe_dispatch
+from autopar.runtime import moe_exchange
 from tests.reference import PlainMoE, plain_moe
 
 
@@ -41,10 +42,10 @@ def test_dropless_equals_brute_force(k, skew):
         torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     if skew:
         assert moe.route(x.reshape(-1, 8))[0].max() <= 1  # really only experts 0 and 1
-    assert moe_dispatch.live_handles([moe.experts._autopar_dispatch_key]) == 0
+    assert moe_exchange.live_handles([moe.experts._autopar_dispatch]) == 0
     with torch.no_grad():  # a forward with no backward to come (evaluation) keeps nothing either
         moe(x)
-    assert moe_dispatch.live_handles([moe.experts._autopar_dispatch_key]) == 0
+    assert moe_exchange.live_handles([moe.experts._autopar_dispatch]) == 0
 
 
 class _Net(nn.Module):
@@ -83,7 +84,7 @@ def _step_equals_eager(pm, ref, ref_opt, x, t) -> None:
         want += part.item()
     ref_opt.step()
     assert float(loss) == pytest.approx(want, rel=1e-5)
-    assert moe_dispatch.live_handles(pm.built.moe_keys) == 0
+    assert moe_exchange.live_handles(pm.built.moe_entries) == 0
 
 
 def _two_steps_equal_eager(net, plan, before_step=lambda: None):
@@ -133,28 +134,28 @@ def test_over_the_priced_ratio_warns_and_the_hard_limit_fails(caplog, monkeypatc
     and rank 1's 4: 1.67x the mean 12. Over the priced 1.25x the dispatch goes on and warns
     once per WARN_EVERY_S with the bytes beyond the price ((20 - 1.25 * 12) rows x 10 fp32
     elements = 200 B); over the user's hard limit it raises, naming the layer and the counts."""
-    spec = moe_dispatch._Experts(run=None, names=(), layer="model.layers.3.mlp", n_experts=4, flops_per_row=0,
+    spec = moe_exchange.ExpertsEntry(run=None, names=(), layer="model.layers.3.mlp", n_experts=4, flops_per_row=0,
                                  saved_row_elems=10, priced=1.25)
     table = torch.tensor([[7, 5, 0, 0], [6, 2, 3, 1]])
     clock = [1000.0]
-    monkeypatch.setattr(moe_dispatch.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(moe_exchange.time, "monotonic", lambda: clock[0])
     with caplog.at_level("WARNING", logger="autopar"):
         for _ in range(3):
-            assert moe_dispatch._check_bound(spec, table, ep=2, n_local=2, row_bytes=40) == [20, 4]
-        clock[0] += moe_dispatch.WARN_EVERY_S
-        moe_dispatch._check_bound(spec, table, ep=2, n_local=2, row_bytes=40)
+            assert moe_exchange.check_bound(spec, table, ep=2, n_local=2, row_bytes=40) == [20, 4]
+        clock[0] += moe_exchange.WARN_EVERY_S
+        moe_exchange.check_bound(spec, table, ep=2, n_local=2, row_bytes=40)
     lines = [r.getMessage() for r in caplog.records if "model.layers.3.mlp" in r.getMessage()]
     assert len(lines) == 2, lines  # the first, then one after WARN_EVERY_S counting the 3 since
     assert "received 20 routed rows, 1.67x the mean 12.0" in lines[0] and "1.25x" in lines[0], lines[0]
     assert f"{200 / 2**20:.1f} MiB" in lines[0] and "(1 such dispatch" in lines[0] and "(3 such" in lines[1], lines
     assert (spec.stats.calls, spec.stats.over, spec.stats.max_rows) == (4, 4, 20)
     spec.receive_bound = 1.5
-    with pytest.raises(moe_dispatch.ReceiveBoundError, match=r"model\.layers\.3\.mlp.*rank 0 would receive 20 routed "
+    with pytest.raises(moe_exchange.ReceiveBoundError, match=r"model\.layers\.3\.mlp.*rank 0 would receive 20 routed "
                                                              r"rows, 1\.67x the mean 12\.0 \(per-rank receives "
                                                              r"\[20, 4\]\).*hard limit of 1\.5x"):
-        moe_dispatch._check_bound(spec, table, ep=2, n_local=2)
+        moe_exchange.check_bound(spec, table, ep=2, n_local=2)
     spec.receive_bound = 2.0
-    assert moe_dispatch._check_bound(spec, table, ep=2, n_local=2) == [20, 4]
+    assert moe_exchange.check_bound(spec, table, ep=2, n_local=2) == [20, 4]
     for field in ("moe_imbalance", "moe_receive_limit"):
         with pytest.raises(ValueError, match=f"{field}=0.5 must be a number >= 1"):
             autopar.Plan(**{field: 0.5})
@@ -163,7 +164,7 @@ def test_over_the_priced_ratio_warns_and_the_hard_limit_fails(caplog, monkeypatc
 def test_per_row_costs_are_the_experts_gemms():
     """The planner's per-row numbers, measured on fake tensors: SwiGLU's three GEMMs (2 * 3 * d * h)."""
     moe = MoE(8, 12, 4, 2, capacity_factor=None)
-    spec = moe_dispatch._REGISTRY[moe.experts._autopar_dispatch_key]
+    spec = moe.experts._autopar_dispatch
     assert spec.flops_per_row == 2 * 3 * 8 * 12
     assert spec.saved_row_elems >= 8 + 3 * 12  # the row, x @ w1, x @ w3 and the product at least
 
@@ -234,16 +235,16 @@ def test_dualpipev_units_interleave_their_dispatch_chains(monkeypatch):
     (runtime/execute.py run_paired): an F's rows leave, then the paired backward's gradient rows
     leave before that F's experts run; two steps equal eager."""
     events = []
-    for name in ("_send", "_experts", "_grad_send", "_grad_input"):
-        real = getattr(moe_dispatch, name)
-        monkeypatch.setattr(moe_dispatch, name, functools.partial(
+    for name in ("send_rows", "run_experts", "send_grads", "input_grads"):
+        real = getattr(moe_exchange, name)
+        monkeypatch.setattr(moe_exchange, name, functools.partial(
             lambda real, name, *a, **kw: events.append(name) or real(*a, **kw), real, name))
     torch.manual_seed(0)
     pm = _two_steps_equal_eager(_DeepNet(), autopar.Plan(pp=2, schedule="dualpipev", num_microbatches=4),
                                 before_step=events.clear)
     units = sum(len(pm.built.executor.units(r)) for r in range(2))
     assert units > 0
-    interleaved = sum(a == "_send" and b == "_grad_send" for a, b in zip(events, events[1:]))
+    interleaved = sum(a == "send_rows" and b == "send_grads" for a, b in zip(events, events[1:]))
     # run apart, an F's send is always followed by its own experts: only the units interleave
     assert 0 < interleaved <= 2 * units
 
@@ -268,14 +269,26 @@ def test_two_models_in_one_process_own_their_dispatch_state():
         for pm, ref, opt in zip(pms, refs, opts):
             _step_equals_eager(pm, ref, opt, x, t)
             assert pm.metrics["moe_max_receive_rows"] > 0
-            assert moe_dispatch.receive_stats(pm.built.moe_keys)["dispatches"] == 2 * 4
+            assert moe_exchange.receive_stats(pm.built.moe_entries)["dispatches"] == 2 * 4
     for pm, ref in zip(pms, refs):
         state = pm.state_dict()
         for name, value in ref.state_dict().items():
             torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=name)
     key = nets[1].moe1.experts._autopar_dispatch_key
     alive = weakref.ref(nets[1].moe1.experts._autopar_dispatch)
+    # outside a model's step no experts module is served: the op names the key and where it runs
+    with pytest.raises(RuntimeError, match=rf"MoE dispatch key {key}: no running model serves"):
+        moe_exchange.entry(key)
     del pms[1], nets[1], opts, refs, pm, ref
     gc.collect()
-    assert alive() is None and key not in moe_dispatch._REGISTRY
+    assert alive() is None
     assert pms[0].step((x,), t) is not None  # the other model runs on
+    # no process-wide state in the dispatch code: no module-level container or counter, only the
+    # context variables that say what is served where the ops run
+    import itertools
+
+    for mod in (moe_dispatch, moe_exchange):
+        held = {name: type(v).__name__ for name, v in vars(mod).items() if not name.startswith("__")
+                and isinstance(v, (dict, list, set, bytearray, weakref.WeakValueDictionary,
+                                   weakref.WeakKeyDictionary, itertools.count))}
+        assert not held, (mod.__name__, held)
