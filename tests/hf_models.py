@@ -8,7 +8,8 @@ ids; ``loss_fn`` is next-token cross entropy on the logits (``hf_lm_loss``), or 
 token loss for the encoder. ``HF_NAMES`` lists the cases; ``HF_DECODERS`` the causal LMs with
 RoPE (the CP cases); ``HF_MOE`` the mixture-of-experts ones (the EP cases); ``HF_SINKS`` eager
 attention with learned per-head sink logits (GPT-OSS, eager; also MoE), not in ``HF_NAMES``;
-``HF_GROUPED`` MoE whose experts take rows grouped by expert (Llama 4), not in ``HF_NAMES``.
+``HF_GROUPED`` MoE whose experts take rows grouped by expert (Llama 4) and ``HF_GLM`` the
+GLM-4.5-style MoE, not in ``HF_NAMES``.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ HF_SINKS = ("gpt_oss",)  # eager attention with learned per-head sink logits (al
 # MoE whose experts take one tensor of rows grouped by expert (Llama 4: every expert gets every token,
 # scaled by its router score; top-1 sigmoid routing, a shared expert, chunked attention, NoPE layers)
 HF_GROUPED = ("llama4",)
+# GLM-4.5-style MoE (sigmoid routing with a selection bias, shared expert, first layer dense): EP only
+HF_GLM = ("glm4_moe",)
 
 
 def _common(**kw) -> dict:
@@ -64,6 +67,10 @@ def _config(name: str):
     if name == "gpt_oss":
         return tf.GptOssConfig(**_common(intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    if name == "glm4_moe":
+        return tf.Glm4MoeConfig(**_common(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                          n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+                                          head_dim=8, routed_scaling_factor=2.5))
     if name == "llama4":
         return tf.Llama4TextConfig(**_common(intermediate_size=32, intermediate_size_mlp=64, head_dim=8,
                                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1,

@@ -15,6 +15,9 @@ reported, the others still run):
            on each rank's experts. Qwen3-MoE differs from Mixtral only in its router, which EP
            leaves replicated; it is left out here for time.
 
+GLM-4.5-style MoE (``Glm4MoeForCausalLM``: sigmoid routing with a selection bias, a shared expert,
+a dense first layer) runs at world 4 (pp=2 x dp=2 x ep=2, dualpipev).
+
 Llama 4 (``Llama4TextMoe``: its experts take ONE tensor of rows grouped by expert, every expert
 all N tokens scaled by its top-1 sigmoid router score, beside a shared expert; chunked attention and
 NoPE layers) runs at both worlds: its experts are recognized by that contract
@@ -60,7 +63,7 @@ def lr_of(name: str) -> float:
 PLANS = {2: dict(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=3, moe_imbalance=1.25),
          4: dict(pp=2, dp=2, ep=2, schedule="dualpipev", num_microbatches=4, zero=1)}
 WORLD_MODELS = {2: MODELS + ("custom", "dropless", "gpt_oss", "llama4", "deepseek_v3 limit"),
-                4: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss", "llama4")}
+                4: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss", "llama4", "glm4_moe")}
 # (world, sub-case) -> plan fields that differ from the world's plan
 PLAN_CHANGES = {(4, "gpt_oss"): dict(schedule="1f1b"), (2, "deepseek_v3 limit"): dict(moe_receive_limit=1.25)}
 
@@ -214,6 +217,10 @@ def make_case(name: str):
             for layer in model.model.layers:
                 layer.feed_forward.experts.gate_up_proj.mul_(6.0)
                 layer.feed_forward.experts.down_proj.mul_(6.0)
+        elif name == "glm4_moe":  # (its sigmoid router with a selection bias routes as it is)
+            for layer in model.model.layers[1:]:
+                layer.mlp.experts.gate_up_proj.mul_(8.0)
+                layer.mlp.experts.down_proj.mul_(8.0)
         else:
             # a constant-sign feature in the residual stream (dim 0 of every embedding), which
             # expert 3's router row scores strongly negative: it never makes a token's top-2
