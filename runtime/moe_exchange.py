@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -71,7 +70,7 @@ class ExpertsEntry:
     unwarned: int = 0  # over-priced dispatches since that warning
     states: dict = field(default_factory=dict)  # handle -> _State: this module's dispatches in flight
     key: int = 0  # what the graph ops carry to find this entry among the served ones (``serving``)
-    handles: itertools.count = field(default_factory=lambda: itertools.count(1))  # its dispatches' numbers
+    dispatches: int = 0  # dispatches started (the low bits of their handles)
 
     def __deepcopy__(self, memo):
         return self  # copies of an experts module share its entry (the graph passes the values)
@@ -345,7 +344,8 @@ def send_rows(x, ids, weights, key, group, ep, n_local):
                 mine.sum(dim=0).tolist())
     _all_to_all(st, "rows", x.index_select(0, torch.div(order, k, rounding_mode="floor")), st.recv, st.send, pg)
     _all_to_all(st, "weights", weights.reshape(-1).index_select(0, order), st.recv, st.send, pg)
-    handle = (key << KEY_SHIFT) | next(spec.handles)
+    spec.dispatches += 1
+    handle = (key << KEY_SHIFT) | spec.dispatches
     spec.states[handle] = st
     return torch.tensor(handle, dtype=torch.int64)
 
