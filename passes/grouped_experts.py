@@ -132,12 +132,17 @@ class GroupedExpertParallel:
         local = recv.view(ep, El, cap, width).transpose(0, 1)
         local = local.reshape((El, ep * cap) + rest if stacked else (El * ep * cap,) + rest)
         y = _first_forward(type(self))(self, local)
-        out_rest = tuple(y.shape[2:] if stacked else y.shape[1:])
+        # the layout the module returned ([El, ep * C, ...] or [El * ep * C, ...]) is kept
+        y_stacked = y.dim() >= 3 and y.shape[0] == El and y.shape[1] == ep * cap
+        if not y_stacked and y.shape[0] != El * ep * cap:
+            raise ValueError(f"autopar: expert-parallel {type(self).__name__} returned {tuple(y.shape)} for rows "
+                             f"{tuple(local.shape)} of its {El} experts: expected one output row per row")
+        out_rest = tuple(y.shape[2:] if y_stacked else y.shape[1:])
         out_width = math.prod(out_rest)
         # back to [owner rank, local expert, row, ...]: chunk i returns to rank i, its own rows
         send = y.reshape(El, ep, cap, out_width).transpose(0, 1).reshape(E * cap, out_width)
         back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
-        return back.view((E, cap) + out_rest if stacked else (E * cap,) + out_rest)
+        return back.view((E, cap) + out_rest if y_stacked else (E * cap,) + out_rest)
 
     def extra_repr(self) -> str:
         lo = self.ep_rank * self.ep_local

@@ -449,3 +449,47 @@ def test_grouped_experts_local_step_matches_the_module():
     assert moe_blocks(llama4) == [("model.layers.0.feed_forward", 4), ("model.layers.1.feed_forward", 4)]
     assert refused_moe_blocks(llama4) == []
     assert grouped_experts.is_grouped(llama4.model.layers[0].feed_forward.experts)
+
+
+def test_grouped_expert_parallel_keeps_both_layouts_and_widths():
+    """The expert-parallel forward on a fake 2-rank group (shapes only: a fake group moves no
+    data): rows [E * C, d] and stacked [E, C, d] come back in the layout the module returns, at
+    its output width, for the global E experts; a module returning another row count is named."""
+    import torch.distributed as dist
+    from torch.distributed._functional_collectives import _resolve_group_name
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from autopar.passes import grouped_experts
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+
+    class Widening(nn.Module):  # d = 8 in, 6 out; stacked in, stacked out
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 8, 6))
+
+        def forward(self, x):
+            if x.dim() == 3:
+                return torch.bmm(x, self.w)
+            return torch.bmm(x.view(self.w.shape[0], -1, x.shape[-1]), self.w).reshape(-1, 6)
+
+    class Dropping(Widening):
+        def forward(self, x):
+            return super().forward(x)[:1]
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        group = _resolve_group_name(dist.group.WORLD)
+        m = Widening()
+        grouped_experts.apply_grouped_expert_parallel(m, "experts.", 2, 0, group)
+        assert m.w.shape == (2, 8, 6)
+        assert m(torch.randn(12, 8)).shape == (12, 6) and m(torch.randn(4, 3, 8)).shape == (4, 3, 6)
+        bad = Dropping()
+        grouped_experts.apply_grouped_expert_parallel(bad, "experts.", 2, 0, group)
+        with pytest.raises(ValueError, match=r"returned \(1, 6\) for rows \(12, 8\) of its 2 experts"):
+            bad(torch.randn(12, 8))
+        with pytest.raises(ValueError, match=r"got rows \(10, 8\): expected them grouped by its 4 experts"):
+            m(torch.randn(10, 8))
+    finally:
+        dist.destroy_process_group()
