@@ -14,6 +14,10 @@ built layer stands for:
   real layers, shared as evenly as the built layers of that kind allow. The built prefix must
   give the same kinds as the full model's first layers; otherwise it is planned at full depth.
 
+A multimodal configuration (a ``text_config`` inside: Llama 4, Gemma 3, Mistral 3, ...) is
+planned as its language model, the causal LM of its text configuration; the other towers are
+left out, and the report says so.
+
 MoE blocks are priced as the dropless dispatch expert parallelism runs (``dispatch_form`` in
 the profile); their experts' parameters are recognized by ``.experts.`` in their names (a
 shared expert's ``shared_experts.`` is not). The loss is next-token cross entropy on fp32 logits.
@@ -130,6 +134,11 @@ def build_from_config(path: str, seq_len: int, microbatch_size: int = 1, dtype=t
     """The model of ``path`` (a config.json or its directory) on the meta device, reduced in
     depth (module docstring), with one ``[microbatch_size, seq_len]`` token microbatch."""
     cfg = load_config(path)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if text is not cfg:  # a multimodal model (Llama 4, Gemma 3, Mistral 3 ...): its language model
+        say(f"{type(cfg).__name__}: planning its language model ({type(text).__name__}); the other towers "
+            "(vision, audio) are not planned")
+        cfg = text
     cfg.use_cache = False  # what training sets
     n = int(getattr(cfg, "num_hidden_layers", 0) or 0)
     if n < 1:

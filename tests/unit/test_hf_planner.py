@@ -226,25 +226,29 @@ def test_config_with_a_presets_numbers_gets_its_plan(tmp_path, preset, gpus, bat
 
 
 def test_grouped_experts_config_is_priced_as_its_static_form(tmp_path):
-    """A Llama-4-like config (experts given every token grouped by expert, passes/grouped_experts.py):
-    the planner searches EP for it and prices its all-to-all volume as the static groups, E
-    experts x N tokens x d per MoE layer and microbatch (hand count: 4 x 32 x 64 bf16), and the
-    expert weights split over ep."""
+    """A Llama-4-like config (experts given every token grouped by expert, passes/grouped_experts.py),
+    written as the published ones are: a multimodal ``Llama4Config`` whose ``text_config`` holds
+    the language model, which is what gets planned (the vision tower is left out). The planner
+    searches EP for it and prices its all-to-all volume as the static groups, E experts x N
+    tokens x d per MoE layer and microbatch (hand count: 4 x 32 x 64 bf16), and the expert
+    weights split over ep."""
     import json
 
     from autopar.planner import plan_model
     from autopar.planner.devices import get_profile
 
-    cfg = dict(model_type="llama4_text", architectures=["Llama4ForCausalLM"], hidden_size=64, intermediate_size=32,
-               intermediate_size_mlp=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=16, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1, vocab_size=256,
-               max_position_embeddings=128, attention_chunk_size=32, tie_word_embeddings=False,
+    text = dict(model_type="llama4_text", hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                num_experts_per_tok=1, interleave_moe_layer_step=1, vocab_size=256, max_position_embeddings=128,
+                attention_chunk_size=32, tie_word_embeddings=False, torch_dtype="bfloat16")
+    cfg = dict(model_type="llama4", architectures=["Llama4ForConditionalGeneration"], text_config=text,
                torch_dtype="bfloat16")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(cfg))
     res, _info = plan_model(hf_config=str(path), gpus=4, global_batch=8, seq_len=32, device=get_profile("h100"),
                             pin={"ep": 2, "dp": 4})
     prof = res.evaluator.profile
+    assert prof.name.startswith("Llama4ForCausalLM"), prof.name  # the language model of the multimodal config
     moe = [k for k in prof.kinds if k.expert_params]
     assert moe, [k.kind for k in prof.kinds]
     tokens = prof.batch0 * 32
