@@ -391,8 +391,9 @@ def dispatch_form(model: nn.Module):
         yield
     finally:
         for experts, (cls, attrs) in reversed(undo):
-            # the captured graph's key must keep finding its entry until the capture is cut into
-            # stages (which pin their entries): the module keeps it (the registry is weak)
+            # the captured graph's key must keep finding its entry after the capture (the planner
+            # traces and times its units later): the module keeps it, where
+            # runtime/moe_exchange.entries_of finds it for serving
             experts.__dict__["_autopar_dispatch_form"] = experts.__dict__.get("_autopar_dispatch")
             experts.__class__ = cls
             for a in _EP_ATTRS:
