@@ -36,7 +36,8 @@ MODELS = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")  # tests/hf_models.p
 # rebuilt from the gathered padding, crossing the stage cut). A sub-case costs a capture and a
 # joint trace per rank (~4 s of CPU at cp=2, ~7 s per rank at pp=2 x cp=2, on top of ~8 s of
 # start-up per process), so the whole matrix, every model with and without padding, with either
-# use_cache, in both worlds (40 sub-cases, ~6 min), runs with AUTOPAR_HF_CP_FULL=1.
+# use_cache, in both worlds (40 sub-cases, ~6 min), runs with AUTOPAR_HF_CP_FULL=1. Llama 4 (NoPE
+# layers, chunked attention, MoE experts run replicated) runs at cp=2 with padding in the default run.
 PLANS = {2: dict(cp=2, schedule="1f1b", num_microbatches=M),
          4: dict(pp=2, cp=2, schedule="1f1b", num_microbatches=M)}
 FULL = os.environ.get("AUTOPAR_HF_CP_FULL") == "1"
@@ -45,7 +46,7 @@ if FULL:
                  for use_cache in (False, True)] for w in PLANS}
 else:
     CASES = {2: [("qwen2", False, True), ("qwen2", False, False), ("mistral", False, False),
-                 ("gemma2", False, False), ("llama", True, False), ("gpt_oss", False, False)],
+                 ("gemma2", False, False), ("llama", True, False), ("gpt_oss", False, False), ("llama4", True, False)],
              4: [("gemma2", True, False)]}
 
 
