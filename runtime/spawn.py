@@ -77,12 +77,22 @@ def _pool_worker(rank, world, store_path, conn, timeout_s):
     conn.close()
 
 
+def same_hash_seed() -> None:
+    """Give the processes started from here one Python hash seed (``PYTHONHASHSEED=0`` unless
+    one is set): model code that iterates over a set of strings (transformers' Gemma 3 computes
+    its local and global RoPE tables that way) then traces the same graph, in the same order and
+    with the same node names, on every rank, which the pipeline's boundaries rely on. A spawned
+    process reads the variable when its interpreter starts."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
 class RankPool:
     """``world`` gloo processes that stay up: ``run(fn, *args)`` runs ``fn(rank, world, *args)``
     on every rank and returns the results, like ``run_ranks``. After a failure or a missed
     deadline the processes are killed and the pool is closed (``closed``)."""
 
     def __init__(self, world: int, timeout_s: float = 30.0, start_s: float = 120.0):
+        same_hash_seed()
         ctx = mp.get_context("spawn")
         self.world, self.closed = world, False
         self._tmp = tempfile.TemporaryDirectory()
@@ -152,6 +162,7 @@ class RankPool:
 
 def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float = 240.0, expect_failure=False):
     """Run fn(rank, world, *args) on `world` ranks; return the per-rank results (or errors)."""
+    same_hash_seed()
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")

@@ -67,6 +67,9 @@ def _config(name: str):
     if name == "gpt_oss":
         return tf.GptOssConfig(**_common(intermediate_size=32, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
                                          sliding_window=8, rope_parameters={"rope_type": "default", "rope_theta": 1e4}))
+    if name == "gemma3":  # 5 sliding-window layers per global one, local and global RoPE, qk norms
+        return tf.Gemma3TextConfig(**_common(head_dim=8, sliding_window=8, query_pre_attn_scalar=8,
+                                             layer_types=["sliding_attention", "full_attention"]))
     if name == "glm4_moe":
         return tf.Glm4MoeConfig(**_common(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                                           n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,

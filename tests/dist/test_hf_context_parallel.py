@@ -46,7 +46,8 @@ if FULL:
                  for use_cache in (False, True)] for w in PLANS}
 else:
     CASES = {2: [("qwen2", False, True), ("qwen2", False, False), ("mistral", False, False),
-                 ("gemma2", False, False), ("llama", True, False), ("gpt_oss", False, False), ("llama4", True, False)],
+                 ("gemma2", False, False), ("llama", True, False), ("gpt_oss", False, False), ("llama4", True, False),
+                 ("gemma3", True, False)],
              4: [("gemma2", True, False)]}
 
 

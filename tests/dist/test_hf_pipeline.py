@@ -2,7 +2,9 @@
 eager PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps 1e-4).
 
   2 ranks: pp=2 with zbv: GPT-2, Llama, Qwen2, Mistral, Gemma2, Mixtral, Qwen3-MoE,
-           DeepSeek-V3, BERT, Llama 4 (experts given rows grouped by expert), and with 1f1b: GPT-2 and Llama (every model with AUTOPAR_HF_FULL=1)
+           DeepSeek-V3, BERT, Llama 4 (experts given rows grouped by expert), Gemma 3 (its local and
+           global RoPE tables computed by iterating over a set of layer types: the ranks trace the
+           same graph only with one Python hash seed, runtime/spawn.same_hash_seed), and with 1f1b: GPT-2 and Llama (every model with AUTOPAR_HF_FULL=1)
            (the causal mask crosses the pipeline cut as a broadcast view; Gemma2's eager
            soft-capped attention; MoE blocks in local mode)
   4 ranks: pp=2 x dp=2, 1f1b: Llama, Mixtral, BERT; and H4: a dict batch
@@ -24,7 +26,7 @@ from tests.dist.harness import run_shared
 
 pytestmark = pytest.mark.slow
 
-ALL = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3", "bert", "llama4")
+ALL = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3", "bert", "llama4", "gemma3")
 LR, BATCH, SEQ = 0.5, 8, 16
 FULL = os.environ.get("AUTOPAR_HF_FULL") == "1"
 MATRIX = {
