@@ -34,7 +34,14 @@ import math
 import torch
 import torch.nn as nn
 
-from .hf_moe import _count_attrs, _first_forward, _hidden_size_candidates, expert_count, parameter_refusal
+from .hf_moe import (
+    _first_forward,
+    _hidden_size_candidates,
+    expert_count,
+    fake_local_call,
+    keep_local_experts,
+    parameter_refusal,
+)
 
 __all__ = ["GroupedExpertParallel", "apply_grouped_expert_parallel", "grouped_refusal", "is_grouped"]
 
@@ -73,26 +80,12 @@ def grouped_refusal(module: nn.Module, block: nn.Module | None = None, ep: int =
 def _probe(module: nn.Module, n_local: int, d: int) -> str | None:
     """Run the forward with the parameters sliced to ``n_local`` experts on fake ``[n_local * 3, d]``
     rows: None when it returns one tensor of ``n_local * 3`` rows."""
-    from torch._export.utils import _compiling_state_context
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    params = dict(module.named_parameters())
-    first = next(iter(params.values()))
-    dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
     rows = n_local * _PROBE_ROWS
-    saved = _count_attrs(module)
     try:
-        for a in saved:
-            setattr(module, a, n_local)
-        with _compiling_state_context(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            x = torch.empty(rows, d, dtype=dtype, device=first.device)
-            out = torch.func.functional_call(module, {n: p[:n_local] for n, p in params.items()}, (x,))
+        out = fake_local_call(module, n_local, lambda dtype, dev: (torch.empty(rows, d, dtype=dtype, device=dev),))
     except Exception as e:  # noqa: BLE001 - the user's code: report what it raised
         return (f"its forward fails on rows grouped by expert [{rows}, {d}] ({_PROBE_ROWS} rows for each of "
                 f"{n_local} experts): {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-    finally:
-        for a, v in saved.items():
-            setattr(module, a, v)
     if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[0] != rows:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
         return (f"its forward returns {shape} for rows grouped by expert [{rows}, {d}], expected one tensor of "
@@ -149,45 +142,9 @@ class GroupedExpertParallel:
         return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
 
 
-_CLASSES: dict[type, type] = {}
-
-
-def _grouped_class(cls: type) -> type:
-    if cls not in _CLASSES:
-        name, i = f"ExpertParallel{cls.__name__}", 1
-        while name in globals():  # two classes of one name get two names here
-            i += 1
-            name = f"ExpertParallel{cls.__name__}_{i}"
-        new = type(name, (GroupedExpertParallel, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = new  # picklable by name, like a class written here
-        _CLASSES[cls] = new
-    return _CLASSES[cls]
-
-
 def apply_grouped_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
                                   block: nn.Module | None = None):
-    """Keep this rank's ``E / ep`` experts of a grouped-rows experts module, in place
-    (``grouped_refusal(experts, block, ep) is None`` and ``E % ep == 0`` checked by the caller):
-    every parameter, its children's included, becomes a copy of its dim-0 slice (one copy of a
-    parameter held twice), the ``num_experts``-like attributes become ``E / ep``. Returns
-    ``[(fqn, full_shape)]`` of the sharded parameters (``prefix`` ends with ``experts.``).
-    ``ep == 1`` changes nothing."""
-    n_experts = expert_count(experts)
-    n_local = n_experts // ep
-    lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
-    sharded = [(prefix + name, tuple(p.shape)) for name, p in experts.named_parameters()]
-    if ep > 1:
-        copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (full, kept alive; local)
-        for mod in experts.modules():
-            for pname, p in list(mod._parameters.items()):
-                if p is None:
-                    continue
-                if id(p) not in copies:  # a copy of the slice: the model no longer references the full tensor
-                    copies[id(p)] = (p, nn.Parameter(p.detach()[lo:hi].clone(), requires_grad=p.requires_grad))
-                mod._parameters[pname] = copies[id(p)][1]
-        for a in _count_attrs(experts):
-            setattr(experts, a, n_local)
-        experts.__class__ = _grouped_class(type(experts))
-        experts.ep, experts.ep_rank, experts.ep_group = ep, ep_rank, group_name
-        experts.ep_experts, experts.ep_local = n_experts, n_local
-    return sharded
+    """``hf_moe.keep_local_experts`` for a grouped-rows experts module
+    (``grouped_refusal(experts, block, ep) is None`` checked by the caller): its parameters
+    sliced to this rank's experts, its forward the two all-to-alls of ``GroupedExpertParallel``."""
+    return keep_local_experts(experts, prefix, ep, ep_rank, group_name, GroupedExpertParallel)

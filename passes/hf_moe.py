@@ -67,6 +67,7 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -76,7 +77,8 @@ from . import moe_dispatch
 log = logging.getLogger("autopar")
 
 __all__ = ["STATIC_IMPLEMENTATIONS", "is_hf_experts", "hf_refusal", "hf_expert_count", "apply_hf_expert_parallel",
-           "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel"]
+           "generic_refusal", "expert_count", "run_local_experts", "apply_generic_expert_parallel",
+           "parameter_refusal", "fake_local_call", "keep_local_experts", "mixed_class"]
 
 STATIC_IMPLEMENTATIONS = ("grouped_mm", "batched_mm")
 EXPECTED = ("a Hugging Face experts module made by transformers' @use_experts_implementation (3-D expert "
@@ -310,31 +312,44 @@ def _probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | None]:
     return memo[key]
 
 
-def _run_probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | None]:
-    """Run the module's own forward as ``run_local_experts`` calls it (``k = 1``, parameters
-    sliced to ``n_local`` experts, ``num_experts``-like attributes set to it) on fake tensors:
-    ``(data_dependent, why)``, ``why`` None when it kept the contract. Touches no data and
-    leaves the module as it was."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+def fake_local_call(module: nn.Module, n_local: int, make_args: Callable):
+    """The module's own forward with its parameters sliced to ``n_local`` experts and its
+    ``num_experts``-like attributes set to it, on fake tensors ``make_args(dtype, device)``
+    (the parameters' floating dtype and device), under the flags torch.export sets (what capture
+    runs under: e.g. transformers' grouped_mm then takes its custom op, which has a fake
+    kernel). Touches no data, leaves the module as it was, and raises what the forward raises."""
+    from torch._export.utils import _compiling_state_context
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
     params = dict(module.named_parameters())
     first = next(iter(params.values()))
     dtype = first.dtype if first.is_floating_point() else torch.get_default_dtype()
-    n = _PROBE_TOKENS
     saved = _count_attrs(module)
     try:
         for a in saved:
             setattr(module, a, n_local)
-        # the flags torch.export sets (what capture runs under: e.g. transformers' grouped_mm then
-        # takes its custom op, which has a fake kernel)
-        from torch._export.utils import _compiling_state_context
-
         with _compiling_state_context(), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            x = torch.empty(n, d, dtype=dtype, device=first.device)
-            idx = torch.zeros(n, 1, dtype=torch.long, device=first.device)
-            w = torch.empty(n, 1, dtype=dtype, device=first.device)
             local = {name: p[:n_local] for name, p in params.items()}
-            out = torch.func.functional_call(module, local, (x, idx, w))
+            return torch.func.functional_call(module, local, make_args(dtype, first.device))
+    finally:
+        for a, v in saved.items():
+            setattr(module, a, v)
+
+
+def _run_probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | None]:
+    """Run the module's own forward as ``run_local_experts`` calls it (``k = 1``, parameters
+    sliced to ``n_local`` experts: ``fake_local_call``): ``(data_dependent, why)``, ``why``
+    None when it kept the contract."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    n = _PROBE_TOKENS
+
+    def args(dtype, device):
+        return (torch.empty(n, d, dtype=dtype, device=device), torch.zeros(n, 1, dtype=torch.long, device=device),
+                torch.empty(n, 1, dtype=dtype, device=device))
+
+    try:
+        out = fake_local_call(module, n_local, args)
     except DynamicOutputShapeException as e:
         return True, (f"its forward has a data-dependent shape ({e.func}: e.g. nonzero(), torch.where(mask), a "
                       "boolean mask index or unique()); expert parallelism captures static shapes only: compute "
@@ -345,9 +360,6 @@ def _run_probe(module: nn.Module, n_local: int, d: int) -> tuple[bool, str | Non
     except Exception as e:  # noqa: BLE001 - the user's code: report what it raised
         return False, (f"its forward fails on hidden_states [{n}, {d}], top_k_index [{n}, 1], top_k_weights "
                        f"[{n}, 1] with {n_local} experts: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}")
-    finally:
-        for a, v in saved.items():
-            setattr(module, a, v)
     shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
     if shape != (n, d):
         return False, (f"its forward returns {shape} for hidden_states [{n}, {d}], expected one tensor [{n}, {d}] "
@@ -440,29 +452,36 @@ class GenericExpertParallel:
         return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
 
 
-_GENERIC_CLASSES: dict[type, type] = {}
+_MIXED: dict[tuple[type, type], type] = {}  # (mixin, class) -> the class with the mixin in front
+
+
+def mixed_class(mixin: type, cls: type) -> type:
+    """``cls`` with an expert-parallel ``mixin`` in front, made once and named in this module
+    (picklable by name; two user classes of one name get two names)."""
+    if (mixin, cls) not in _MIXED:
+        name, i = f"ExpertParallel{cls.__name__}", 1
+        while name in globals():
+            i += 1
+            name = f"ExpertParallel{cls.__name__}_{i}"
+        new = type(name, (mixin, cls), {"__module__": __name__, "__qualname__": name})
+        globals()[name] = new
+        _MIXED[mixin, cls] = new
+    return _MIXED[mixin, cls]
 
 
 def _generic_class(cls: type) -> type:
-    if cls not in _GENERIC_CLASSES:
-        name, i = f"ExpertParallel{cls.__name__}", 1
-        while name in globals():  # two user classes of one name get two names here
-            i += 1
-            name = f"ExpertParallel{cls.__name__}_{i}"
-        new = type(name, (GenericExpertParallel, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = new
-        _GENERIC_CLASSES[cls] = new
-    return _GENERIC_CLASSES[cls]
+    return mixed_class(GenericExpertParallel, cls)
 
 
-def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
-                                  block: nn.Module | None = None):
-    """Keep this rank's ``E / ep`` experts of an experts module of another form, in place
-    (``generic_refusal(experts, block, ep) is None`` and ``E % ep == 0`` checked by the caller):
-    every parameter, its children's included, becomes a copy of its dim-0 slice (a parameter
-    held twice stays one), the ``num_experts``-like attributes become ``E / ep``. Returns
-    ``[(fqn, full_shape)]`` of the sharded parameters (``prefix`` ends with ``experts.``).
-    ``ep == 1`` changes nothing."""
+def keep_local_experts(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
+                       mixin: type) -> list[tuple[str, tuple[int, ...]]]:
+    """Keep this rank's ``E / ep`` experts of an experts module that is not a transformers one,
+    in place (its form checked and ``E % ep == 0`` by the caller): every parameter, its
+    children's included, becomes a copy of its dim-0 slice (a parameter held twice stays one),
+    the ``num_experts``-like attributes become ``E / ep``, and the class gets the form's
+    expert-parallel ``mixin`` in front (``ep``, ``ep_rank``, ``ep_group``, ``ep_experts``,
+    ``ep_local`` set). Returns ``[(fqn, full_shape)]`` of the sharded parameters (``prefix``
+    ends with ``experts.``). ``ep == 1`` changes nothing."""
     n_experts = expert_count(experts)
     n_local = n_experts // ep
     lo, hi = ep_rank * n_local, (ep_rank + 1) * n_local
@@ -478,8 +497,17 @@ def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_r
                 mod._parameters[pname] = copies[id(p)][1]
         for a in _count_attrs(experts):
             setattr(experts, a, n_local)
-        experts.__class__ = _generic_class(type(experts))
+        experts.__class__ = mixed_class(mixin, type(experts))
         experts.ep, experts.ep_rank, experts.ep_group = ep, ep_rank, group_name
         experts.ep_experts, experts.ep_local = n_experts, n_local
-        _register(experts, block, prefix[:-len(".experts.")] or "<root>", n_experts, n_local)
+    return sharded
+
+
+def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
+                                  block: nn.Module | None = None):
+    """``keep_local_experts`` for an experts module of another form (``generic_refusal(experts,
+    block, ep) is None``), registered for the dropless dispatch op."""
+    sharded = keep_local_experts(experts, prefix, ep, ep_rank, group_name, GenericExpertParallel)
+    if ep > 1:
+        _register(experts, block, prefix[:-len(".experts.")] or "<root>", experts.ep_experts, experts.ep_local)
     return sharded
