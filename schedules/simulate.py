@@ -179,16 +179,13 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
     todo = list(range(pp - 1, -1, -1))  # ranks that can run (a stack: rank 0 first)
     bwd_code, wb_code = S, 2 * S      # codes >= S are I/W/B, >= 2S are W/B
 
-    def missing(code: int, k: int) -> int:
-        for base, _ in need_of[code]:
-            if done[base + k] < 0.0:
-                return base + k
-        return -1
-
     def ready(code: int, k: int) -> float:
+        """When the action's inputs have all arrived, or ``-1 - key`` of the first not made yet."""
         t = 0.0
         for base, bnd in need_of[code]:
             e = done[base + k]
+            if e < 0.0:
+                return -1.0 - (base + k)
             if bnd >= 0:
                 e += delay[bnd]
             if e > t:
@@ -211,16 +208,16 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
         i, f_r, b_r = pos[r], free[r], busy[r]
         while i < n:
             code, k = code_r[i], k_r[i]
-            if ovl_r and i in ovl_r:
+            t = ready(code, k)
+            if ovl_r and i in ovl_r:  # an F&B unit: both halves start and end together
                 code2, k2 = code_r[i + 1], k_r[i + 1]
-                key = missing(code, k)
-                if key < 0:
-                    key = missing(code2, k2)
-                if key >= 0:
-                    waiting.setdefault(key, []).append(r)
+                if t >= 0.0:  # the later arrival, or the second half's missing value
+                    t2 = ready(code2, k2)
+                    t = t2 if t2 < 0.0 else max(t, t2)
+                if t < 0.0:  # parked on the value it waits for
+                    waiting.setdefault(int(-1.0 - t), []).append(r)
                     break
-                ta, tb = ready(code, k), ready(code2, k2)
-                start = max(f_r, ta, tb)
+                start = f_r if f_r > t else t
                 dur = fb * (dur_of[code] + dur_of[code2])
                 end = start + dur
                 make(code, k, end)
@@ -228,31 +225,25 @@ def simulate(schedule: Schedule, costs=None, p2p_latency: float = 0.0, p2p_bandw
                 if timeline:
                     row.append((r, acts[i], start, end))
                     row.append((r, acts[i + 1], start, end))
-                step = 2
                 for c_ in (code, code2):
                     if c_ >= wb_code and end > stage_done[c_ % S]:
                         stage_done[c_ % S] = end
-                code = max(code, code2)
+                code, step = max(code, code2), 2
             else:
-                key = missing(code, k)
-                if key >= 0:
-                    waiting.setdefault(key, []).append(r)
+                if t < 0.0:
+                    waiting.setdefault(int(-1.0 - t), []).append(r)
                     break
-                t = ready(code, k)
                 start = f_r if f_r > t else t
                 dur = dur_of[code]
                 end = start + dur
                 make(code, k, end)
                 if timeline:
                     row.append((r, acts[i], start, end))
+                if code >= wb_code and end > stage_done[code % S]:
+                    stage_done[code % S] = end
                 step = 1
-            if code >= bwd_code:
-                if end >= last_bwd[r][0]:
-                    last_bwd[r] = (end, end - start)
-                if code >= wb_code:
-                    st = code % S
-                    if end > stage_done[st]:
-                        stage_done[st] = end
+            if code >= bwd_code and end >= last_bwd[r][0]:
+                last_bwd[r] = (end, end - start)
             f_r = end
             b_r += dur
             i += step
