@@ -431,6 +431,15 @@ def _grouped(node: fx.Node) -> bool:
     return _has_arg(node, "enable_gqa") and bool(_arg(node, "enable_gqa"))
 
 
+def grouped_kv_heads(node: fx.Node) -> int:
+    """Hkv of a grouped-query SDPA with fewer key/value heads than query heads, whose key/value
+    heads context parallelism repeats as far as cp needs (``kv_repeats``); 0 for any other op."""
+    if not _grouped(node):
+        return 0
+    hq, hk = (int(a.meta["val"].shape[1]) for a in node.args[:2])
+    return hk if hk != hq else 0
+
+
 def kv_repeats(hkv: int, cp: int) -> int:
     """How many copies of each key/value head a grouped-query attention (Hq query heads over Hkv
     key/value heads, cp dividing Hq) sends through Ulysses' all-to-all: each rank gets Hq/cp query heads

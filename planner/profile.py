@@ -49,7 +49,7 @@ import torch
 import torch.fx as fx
 
 from autopar.parallel.zero_layout import ParamSpec, ns_flops
-from autopar.passes.context_parallel import kv_repeats
+from autopar.passes.context_parallel import grouped_kv_heads, kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import view_base as _base
 from autopar.runtime import moe_exchange
@@ -726,9 +726,9 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
         if _is_attention_fwd(n):
             attn += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes[:3])
             attn += value_bytes(n.meta.get("val") if not isinstance(n.meta.get("val"), tuple) else n.meta["val"][0])
-            q, k, v = n.all_input_nodes[:3]
-            hq, hk = (int(x.meta["val"].shape[1]) for x in (q, k))
-            if n.kwargs.get("enable_gqa") and hk != hq:
+            hk = grouped_kv_heads(n)
+            if hk:
+                k, v = n.all_input_nodes[1:3]
                 grouped_kv.append((hk, float(k.meta.get("autopar_bytes", 0) + v.meta.get("autopar_bytes", 0))))
         elif expert_ph and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
             w = n.args[-1]

@@ -198,12 +198,18 @@ def test_grouped_query_sdpa_takes_cp_up_to_its_query_heads(fake_group, hq, hkv, 
     """enable_gqa SDPA: cp must divide the query heads only; the rewritten attention reads
     per_rank key/value heads (hand-counted: lcm(Hkv, cp) / cp) over the whole sequence, and the
     planner reads the query heads as the cp limit."""
-    from autopar.passes.context_parallel import ATTENTION_OPS, apply_context_parallel, context_parallel_blocker
+    from autopar.passes.context_parallel import (
+        ATTENTION_OPS,
+        apply_context_parallel,
+        context_parallel_blocker,
+        grouped_kv_heads,
+    )
     from autopar.planner.profile import attention_heads
 
     length = 16
     full = _capture("gqa", length, heads=hq, d=hq, kv_heads=hkv)
     assert attention_heads(full.gm) == hq
+    assert [grouped_kv_heads(n) for n in full.gm.graph.nodes if n.target in ATTENTION_OPS] == [hkv]
     assert context_parallel_blocker(full, cp) is None
     bad = next(c for c in range(2, 17) if hq % c and length % c == 0)
     assert "must divide the query heads" in context_parallel_blocker(full, bad)
