@@ -632,47 +632,45 @@ class _UnitTimer:
         return env
 
     def _measure(self, reuse: bool = False) -> list[tuple]:
-        from autopar.runtime.execute import run
-
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
-        served = None
         try:
             if not reuse or not hasattr(self, "_second_built"):
                 self._second_built = self._second() if self._second is not None else None
-            second = self._second_built
-            served = moe_exchange.serving(self.entries)  # the model's experts entries, both captures'
-            served.__enter__()
-            jobs = [(sp, stage, self.state, self.data) for sp, stage, _c in self.units]
-            if second is not None:
-                units1, state1, data1, ratio = second
-                jobs += [(sp, stage, state1, data1) for sp, stage in units1]
-            envs = [self._env(sp, stage, data) for sp, stage, _state, data in jobs]
-            samples: list[list[tuple[float, float, float]]] = [[] for _ in jobs]
-            t_end = time.perf_counter() + self.budget_s * (2 if second is not None else 1)
-            for rnd in range(self.rounds + 1):
-                for j, ((sp, _stage, state, _data), env0) in enumerate(zip(jobs, envs)):
-                    env = dict(env0)
-                    t0 = time.perf_counter()
-                    run(sp.f, env, state)
-                    t1 = time.perf_counter()
-                    run(sp.i, env, state)
-                    t2 = time.perf_counter()
-                    run(sp.w, env, state)
-                    t3 = time.perf_counter()
-                    if rnd:  # the first round warms up
-                        samples[j].append((t1 - t0, t2 - t1, t3 - t2))
-                if rnd >= 3 and time.perf_counter() > t_end:
-                    break
-            med = [tuple(sorted(x[k] for x in smp)[len(smp) // 2] for k in range(3)) for smp in samples]
-            n = len(self.units)
-            if second is None:
-                return [(m, None, 1.0) for m in med]
-            return [(med[j], med[n + j], ratio) for j in range(n)]
+            with moe_exchange.serving(self.entries):  # the model's experts entries, both captures'
+                return self._time(self._second_built)
         finally:
-            if served is not None:
-                served.__exit__(None, None, None)
             torch.set_num_threads(threads)
+
+    def _time(self, second) -> list[tuple]:
+        from autopar.runtime.execute import run
+
+        jobs = [(sp, stage, self.state, self.data) for sp, stage, _c in self.units]
+        if second is not None:
+            units1, state1, data1, ratio = second
+            jobs += [(sp, stage, state1, data1) for sp, stage in units1]
+        envs = [self._env(sp, stage, data) for sp, stage, _state, data in jobs]
+        samples: list[list[tuple[float, float, float]]] = [[] for _ in jobs]
+        t_end = time.perf_counter() + self.budget_s * (2 if second is not None else 1)
+        for rnd in range(self.rounds + 1):
+            for j, ((sp, _stage, state, _data), env0) in enumerate(zip(jobs, envs)):
+                env = dict(env0)
+                t0 = time.perf_counter()
+                run(sp.f, env, state)
+                t1 = time.perf_counter()
+                run(sp.i, env, state)
+                t2 = time.perf_counter()
+                run(sp.w, env, state)
+                t3 = time.perf_counter()
+                if rnd:  # the first round warms up
+                    samples[j].append((t1 - t0, t2 - t1, t3 - t2))
+            if rnd >= 3 and time.perf_counter() > t_end:
+                break
+        med = [tuple(sorted(x[k] for x in smp)[len(smp) // 2] for k in range(3)) for smp in samples]
+        n = len(self.units)
+        if second is None:
+            return [(m, None, 1.0) for m in med]
+        return [(med[j], med[n + j], ratio) for j in range(n)]
 
 
 def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None,

@@ -21,6 +21,7 @@ import contextlib
 import contextvars
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable
@@ -136,7 +137,7 @@ def entries_of(model: torch.nn.Module) -> dict[int, ExpertsEntry]:
 def serving(entries):
     """While inside, the graph ops find the experts modules of ``entries`` (``{key: entry}`` or
     an iterable of entries) by their keys, besides those already served."""
-    table = entries if isinstance(entries, dict) else {e.key: e for e in entries}
+    table = entries if isinstance(entries, Mapping) else {e.key: e for e in entries}
     if not table:
         yield
         return
@@ -152,9 +153,9 @@ def serving(entries):
         _SERVED.reset(token)
 
 
-def served() -> dict[int, ExpertsEntry]:
-    """The entries served here (``serving``)."""
-    return dict(_SERVED.get())
+def served() -> Mapping[int, ExpertsEntry]:
+    """The entries served here (``serving``), read-only."""
+    return _SERVED.get()
 
 
 def entry(key: int) -> ExpertsEntry:
