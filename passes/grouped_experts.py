@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from .hf_moe import (
+    GenericExpertParallel,
     _first_forward,
     _hidden_size_candidates,
     expert_count,
@@ -137,9 +138,7 @@ class GroupedExpertParallel:
         back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
         return back.view((E, cap) + out_rest if y_stacked else (E * cap,) + out_rest)
 
-    def extra_repr(self) -> str:
-        lo = self.ep_rank * self.ep_local
-        return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
+    extra_repr = GenericExpertParallel.extra_repr
 
 
 def apply_grouped_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
