@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from .hf_moe import (
-    GenericExpertParallel,
+    LocalExperts,
     _first_forward,
     _hidden_size_candidates,
     expert_count,
@@ -94,19 +94,11 @@ def _probe(module: nn.Module, n_local: int, d: int) -> str | None:
     return None
 
 
-class GroupedExpertParallel:
-    """Mixin over a grouped-rows experts class: this rank holds experts
-    ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes the block's ``[E * C, ...]`` or
+class GroupedExpertParallel(LocalExperts):
+    """Mixin over a grouped-rows experts class: ``forward`` takes the block's ``[E * C, ...]`` or
     ``[E, C, ...]`` rows, sends each expert's rows to its rank, runs the module's own forward on
     the ``[El, ep * C, ...]`` rows of its experts and returns every rank's rows in expert order.
     Made by ``apply_grouped_expert_parallel``."""
-
-    _autopar_ep_mixin = True
-    ep: int
-    ep_rank: int
-    ep_group: str
-    ep_experts: int  # global E
-    ep_local: int  # El
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single_autograd
@@ -138,7 +130,6 @@ class GroupedExpertParallel:
         back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
         return back.view((E, cap) + out_rest if y_stacked else (E * cap,) + out_rest)
 
-    extra_repr = GenericExpertParallel.extra_repr
 
 
 def apply_grouped_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,

@@ -95,7 +95,7 @@ _COUNT_ATTRS = ("num_experts", "n_experts", "num_local_experts", "n_routed_exper
 def _first_forward(cls: type):
     """The ``forward`` that ``cls`` runs: the first in its MRO, the EP mixins of this file skipped."""
     for c in cls.__mro__:
-        if c.__dict__.get("_autopar_ep_mixin"):  # HFExpertParallel, GenericExpertParallel, GroupedExpertParallel
+        if getattr(c, "_autopar_ep_mixin", False):  # HFExpertParallel and the LocalExperts mixins (inherited)
             continue
         if "forward" in c.__dict__:
             return c.__dict__["forward"]
@@ -428,28 +428,31 @@ def run_local_experts(module: nn.Module, hidden: torch.Tensor, local_ids: torch.
     return out
 
 
-class GenericExpertParallel:
-    """Mixin over an experts class of another form: this rank holds experts
-    ``[ep_rank * El, (ep_rank + 1) * El)``; ``forward`` takes the module's own arguments with
-    global expert ids, moves rows, ids and routing weights to the experts' ranks, runs
-    ``run_local_experts`` there and sums each token's ``k`` results back on its own rank.
-    Made by ``apply_generic_expert_parallel``."""
+class LocalExperts:
+    """What the expert-parallel mixins of experts modules of other forms share: this rank holds
+    experts ``[ep_rank * El, (ep_rank + 1) * El)`` of ``E`` (``keep_local_experts`` sets them)."""
 
     _autopar_ep_mixin = True
-
     ep: int
     ep_rank: int
     ep_group: str
     ep_experts: int  # global E
     ep_local: int  # El
 
-    def forward(self, *args, **kwargs):
-        hidden_states, top_k_index, top_k_weights = _call_args(self, args, kwargs)
-        return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.ep_local)
-
     def extra_repr(self) -> str:
         lo = self.ep_rank * self.ep_local
         return f"ep={self.ep}, ep_rank={self.ep_rank}, local experts [{lo}, {lo + self.ep_local}) of {self.ep_experts}"
+
+
+class GenericExpertParallel(LocalExperts):
+    """Mixin over an experts class of another form: ``forward`` takes the module's own arguments
+    with global expert ids, moves rows, ids and routing weights to the experts' ranks, runs
+    ``run_local_experts`` there and sums each token's ``k`` results back on its own rank.
+    Made by ``apply_generic_expert_parallel``."""
+
+    def forward(self, *args, **kwargs):
+        hidden_states, top_k_index, top_k_weights = _call_args(self, args, kwargs)
+        return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.ep_local)
 
 
 _MIXED: dict[tuple[type, type], type] = {}  # (mixin, class) -> the class with the mixin in front
