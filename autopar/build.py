@@ -205,8 +205,9 @@ def check_world(plan: Plan) -> None:
     process group."""
     if distributed() and plan.world_size != torch.distributed.get_world_size():
         world = torch.distributed.get_world_size()
-        raise ValueError(f"autopar: plan needs pp*dp*cp = {plan.pp}*{plan.dp}*{plan.cp} = {plan.world_size} ranks "
-                         f"but the process group has {world}; launch {plan.world_size} processes or change the plan")
+        raise ValueError(f"autopar: plan needs pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*{plan.tp} = "
+                         f"{plan.world_size} ranks but the process group has {world}; launch {plan.world_size} "
+                         "processes or change the plan")
 
 
 def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, precision, init_fn):
@@ -234,9 +235,10 @@ def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, 
             raise ValueError(f"autopar: {type(model).__name__} is on the meta device and nothing gives it values: pass "
                              "weights= (a checkpoint), init_fn=, or give the model an init_weights() or its modules "
                              "reset_parameters()")
-    if not distributed() and (plan.cp > 1 or plan.ep > 1):
-        raise ValueError(f"autopar: cp={plan.cp}, ep={plan.ep} need one process per rank (they exchange data by "
-                         "all-to-all); launch under torchrun (or `autopar demo --nproc N`), or use cp=1, ep=1")
+    if not distributed() and (plan.cp > 1 or plan.ep > 1 or plan.tp > 1):
+        raise ValueError(f"autopar: cp={plan.cp}, ep={plan.ep}, tp={plan.tp} need one process per rank (they "
+                         "exchange data by collectives); launch under torchrun (or `autopar demo --nproc N`), or use "
+                         "cp=1, ep=1, tp=1")
     m = plan.num_microbatches or default_microbatches(plan, batch)
     if batch % (plan.dp * m):
         raise ValueError(f"autopar: global batch {batch} is not divisible by dp*num_microbatches = "
@@ -244,8 +246,8 @@ def validate(*, plan: Plan, batch: int, model: nn.Module, weights, whole: dict, 
                          "or change num_microbatches")
     schedules.check(plan.schedule, plan.pp, m, plan.stages_per_rank)
     plan = replace(plan, num_microbatches=m)
-    log.info("autopar: plan pp=%d dp=%d cp=%d ep=%d %s, %d stages, %d microbatches of %d, ZeRO-%d", plan.pp, plan.dp,
-             plan.cp, plan.ep, plan.schedule, plan.num_stages, m, batch // (plan.dp * m), plan.zero)
+    log.info("autopar: plan pp=%d dp=%d cp=%d ep=%d tp=%d %s, %d stages, %d microbatches of %d, ZeRO-%d", plan.pp,
+             plan.dp, plan.cp, plan.ep, plan.tp, plan.schedule, plan.num_stages, m, batch // (plan.dp * m), plan.zero)
     return plan, checkpoint
 
 
@@ -255,14 +257,15 @@ def make_mesh(*, plan: Plan, timeout):
         return None
     from autopar.runtime.mesh import build_mesh
 
-    mesh = build_mesh(plan.pp, plan.dp, timeout, cp=plan.cp, ep=plan.ep)
+    mesh = build_mesh(plan.pp, plan.dp, timeout, cp=plan.cp, ep=plan.ep, tp=plan.tp)
     log.info("autopar: rank %d is %s", mesh.rank, mesh.describe())
     return mesh
 
 
 def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target) -> dict:
     """The owners that act before capture: ContextParallel (checks the inputs' sequence
-    length), ExpertParallel (shards the experts of the model in place)."""
+    length), ExpertParallel (shards the experts of the model in place); TensorParallel, which
+    acts on the capture."""
     owners = {}
     if plan.cp > 1:
         from autopar.parallel.context import ContextParallel
@@ -274,6 +277,10 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
 
         owners["ep"] = ExpertParallel(ep=plan.ep, mesh=mesh)
         owners["ep"].rewrite_module(model)
+    if plan.tp > 1:  # acts on the capture (rewrite_graph); it shards the model's parameters there
+        from autopar.parallel.tensor import TensorParallel
+
+        owners["tp"] = TensorParallel(tp=plan.tp, mesh=mesh, model=model)
     from autopar.passes import moe_dispatch
 
     for name, module in model.named_modules():  # the dropless experts: the plan's receive ratios
@@ -378,6 +385,7 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
                           {f: d for f, (_s, d) in whole.items()})
     source = init if checkpoint is None else CheckpointValues(*checkpoint, init, {f: d for f, (_s, d) in whole.items()})
     rows = {f: sh.rows for f, sh in owners["ep"].shards.items()} if "ep" in owners else {}
+    tp = owners.get("tp")
 
     def values(fqns):
         if source is None:
@@ -388,7 +396,7 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
             if f in rows and isinstance(source, CheckpointValues) and f in source.source_of:
                 out[f] = source.rows(f, rows[f])
         for f, v in source.get([f for f in fqns if f not in out]).items():
-            out[f] = v[rows[f]] if f in rows else v
+            out[f] = v[rows[f]] if f in rows else tp.local_of(f, v).clone() if tp is not None else v
         return {f: v.to(device) for f, v in out.items()}
 
     return values

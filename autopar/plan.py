@@ -28,6 +28,9 @@ class Plan:
     ``offload``: the share of what each stage's F keeps for I and W that is parked in host
     memory between them (runtime/offload.py), in [0, 1]: one number for every stage, or a tuple
     with one per stage; 0 (the default): nothing leaves the device.
+    ``tp``: tensor-parallel degree, the innermost mesh axis (one node): the linears the captured
+    graph proves shardable are split over ``tp`` ranks, the rest replicated
+    (passes/tensor_parallel.py); 1 (the default): off.
     """
 
     pp: int = 1
@@ -44,9 +47,10 @@ class Plan:
     moe_receive_limit: float | None = None
     loss_chunk_tokens: int = 0
     offload: float | tuple[float, ...] = 0.0
+    tp: int = 1
 
     def __post_init__(self):
-        for name in ("pp", "dp", "cp", "ep"):
+        for name in ("pp", "dp", "cp", "ep", "tp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"autopar.Plan: {name} must be a positive int, got {v!r}")
@@ -102,7 +106,7 @@ class Plan:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -118,7 +122,8 @@ class Plan:
         return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in data.items() if k in known})
 
     def table(self) -> str:
-        rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep), ("schedule", self.schedule),
+        rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep)] + (
+            [("tp", self.tp)] if self.tp > 1 else []) + [("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]

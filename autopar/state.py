@@ -18,6 +18,8 @@ def whole_state(built, model) -> dict:
         whole.update(owner.whole())
     canonical = built.parallelisms["pp"].canonical
     local = {k: whole.get(canonical.get(k, k), v) for k, v in model.state_dict(keep_vars=True).items()}
+    for owner in built.parallelisms.values():
+        local = owner.widen(local)
     return built.parallelisms["pp"].gather_state(local)
 
 
@@ -42,6 +44,8 @@ def load_whole_state(built, model, state_dict: dict, strict: bool = True) -> Inc
         for k in plain:
             current[k].copy_(state_dict[k])
     values = {canonical.get(k, k): v for k, v in state_dict.items()}
+    for owner in built.parallelisms.values():
+        values = owner.narrow(values)
     for owner in built.parallelisms.values():
         owner.load_whole(values)
     return IncompatibleKeys(missing, unexpected)

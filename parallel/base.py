@@ -9,6 +9,9 @@ order the orchestrator asks for it:
   whole() / load_whole(values) state: whole tensors out of its shards (collective), and its
                                shards from whole tensors (``sharded``: the FQNs whose local
                                tensor is not the whole value, so nobody else writes them)
+  widen(values) / narrow(values)  for an axis whose shards the other owners see as the whole
+                               parameter (TP): whole values out of the others' (collective),
+                               and the blocks the others load out of whole values
   local_shards()               checkpoints: where this process holds pieces of each tensor
                                (``Shard``: flat ranges of the whole value; no communication)
 
@@ -58,6 +61,14 @@ class Parallelism:
 
     def load_whole(self, values: dict) -> None:
         """Write this axis's shards from whole values (every FQN of ``sharded`` is in values)."""
+
+    def widen(self, values: dict) -> dict:
+        """Whole values from values the other owners made whole (collective over the axis)."""
+        return values
+
+    def narrow(self, values: dict) -> dict:
+        """From whole values, what the other owners load for this axis's shards."""
+        return values
 
     def local_shards(self) -> dict[str, list[Shard]]:
         """FQN -> the pieces of it this process holds, as this axis maps them (no communication)."""

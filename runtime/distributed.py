@@ -353,7 +353,7 @@ class DistributedPipeline:
             return recv.wait(self.timeout)
         except RuntimeError as e:
             waited = time.monotonic() - t0
-            peer_pp = recv.peer % self.mesh.pp
+            peer_pp = recv.peer // self.mesh.tp % self.mesh.pp
             raise PeerTimeout(self._failure_report(
                 f"got no {recv.what} from rank {recv.peer} (pp rank {peer_pp}) after {waited:.1f}s: that rank died "
                 f"or is stuck ({str(e).splitlines()[0][:160]})")) from e

@@ -1,7 +1,8 @@
 """The device mesh: which rank does what, and every process group autopar uses (built here only).
 
-world = pp * dp * cp. Global rank = replica * pp + pp_rank, where replica = dp_rank * cp +
-cp_rank numbers the dp*cp copies of one pipeline (the ranks of one pipeline are contiguous).
+world = pp * dp * cp * tp. Global rank = (replica * pp + pp_rank) * tp + tp_rank, where
+replica = dp_rank * cp + cp_rank numbers the dp*cp copies of one pipeline: tp is the innermost
+axis (the tp ranks of one stage are contiguous, one node), then the pipeline.
 
 Groups (all ranks create all of them, in the same order, as torch requires):
   pp_group       the pp ranks of one replica (stage-to-stage P2P, loss broadcast)
@@ -13,7 +14,9 @@ Groups (all ranks create all of them, in the same order, as torch requires):
   expert_group   the replicas with the same ep_rank: gradients of expert-sharded parameters are
                  summed here
   tied_groups    per tied parameter, the pipeline ranks of one replica that hold it
-A group of one rank is None (nothing to communicate).
+  tp_group       the tp ranks of one pipeline rank of one replica (tensor-parallel all-reduces)
+Every group but tp_group joins ranks of the same tp rank. A group of one rank is None (nothing
+to communicate).
 """
 from __future__ import annotations
 
@@ -30,25 +33,31 @@ class Mesh:
     rank: int
     cp: int = 1
     ep: int = 1
+    tp: int = 1
     pp_group: object = None
     replica_group: object = None
     cp_group: object = None
     ep_group: object = None
     expert_group: object = None
+    tp_group: object = None
     tied_groups: dict = field(default_factory=dict)  # canonical fqn -> group of the pp ranks holding it
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
 
     @property
     def pp_rank(self) -> int:
-        return self.rank % self.pp
+        return self.rank // self.tp % self.pp
 
     @property
     def replica(self) -> int:
         """Index of this rank's pipeline copy among the dp*cp of them."""
-        return self.rank // self.pp
+        return self.rank // (self.tp * self.pp)
 
     @property
     def replicas(self) -> int:
@@ -67,8 +76,8 @@ class Mesh:
         return self.replica % self.ep
 
     def global_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline rank `pp_rank` in this process's replica."""
-        return self.replica * self.pp + pp_rank
+        """Global rank of pipeline rank `pp_rank` in this process's replica and tp rank."""
+        return (self.replica * self.pp + pp_rank) * self.tp + self.tp_rank
 
     def describe(self) -> str:
         parts = [f"pp rank {self.pp_rank}", f"dp rank {self.dp_rank}"]
@@ -76,55 +85,68 @@ class Mesh:
             parts.append(f"cp rank {self.cp_rank}")
         if self.ep > 1:
             parts.append(f"ep rank {self.ep_rank}")
+        if self.tp > 1:
+            parts.append(f"tp rank {self.tp_rank}")
         return ", ".join(parts)
 
 
-def check_degrees(pp: int, dp: int, cp: int, ep: int, world: int) -> None:
+def check_degrees(pp: int, dp: int, cp: int, ep: int, world: int, tp: int = 1) -> None:
     """Raise ValueError (before any communication) when the degrees don't fit the world."""
-    if pp * dp * cp != world:
-        raise ValueError(f"autopar: plan needs pp*dp*cp = {pp}*{dp}*{cp} = {pp * dp * cp} ranks but the process "
-                         f"group has {world}; launch {pp * dp * cp} processes or change the plan")
+    if pp * dp * cp * tp != world:
+        raise ValueError(f"autopar: plan needs pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} ranks but the "
+                         f"process group has {world}; launch {pp * dp * cp * tp} processes or change the plan")
     if (dp * cp) % ep:
         raise ValueError(f"autopar: ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (experts are sharded over "
                          "ranks holding the same pipeline stage); change ep or dp")
 
 
-def build_mesh(pp: int, dp: int, timeout: timedelta, cp: int = 1, ep: int = 1) -> Mesh:
+def build_mesh(pp: int, dp: int, timeout: timedelta, cp: int = 1, ep: int = 1, tp: int = 1) -> Mesh:
     """Create the groups of every mesh axis (all ranks call this in the same order)."""
     rank, world = comms.world()
-    check_degrees(pp, dp, cp, ep, world)
-    mesh = Mesh(pp=pp, dp=dp, cp=cp, ep=ep, rank=rank)
+    check_degrees(pp, dp, cp, ep, world, tp)
+    mesh = Mesh(pp=pp, dp=dp, cp=cp, ep=ep, tp=tp, rank=rank)
     reps = dp * cp
+
+    def at(rep: int, r: int, t: int) -> int:
+        return (rep * pp + r) * tp + t
 
     def group(ranks: list[int]):
         """Every rank creates every group; a group of one rank is None."""
         return comms.new_group(ranks, timeout) if len(ranks) > 1 else None
 
+    me = mesh.tp_rank
+    for t in range(tp):
+        for rep in range(reps):
+            g = group([at(rep, r, t) for r in range(pp)])
+            if (rep, t) == (mesh.replica, me):
+                mesh.pp_group = g
+        for r in range(pp):
+            g = group([at(rep, r, t) for rep in range(reps)])
+            if (r, t) == (mesh.pp_rank, me):
+                mesh.replica_group = g
+        for r in range(pp):
+            for d in range(dp):
+                g = group([at(d * cp + c, r, t) for c in range(cp)])
+                if (r, d, t) == (mesh.pp_rank, mesh.dp_rank, me):
+                    mesh.cp_group = g
     for rep in range(reps):
-        g = group([rep * pp + r for r in range(pp)])
-        if rep == mesh.replica:
-            mesh.pp_group = g
-    for r in range(pp):
-        g = group([rep * pp + r for rep in range(reps)])
-        if r == mesh.pp_rank:
-            mesh.replica_group = g
-    for r in range(pp):
-        for d in range(dp):
-            g = group([(d * cp + c) * pp + r for c in range(cp)])
-            if (r, d) == (mesh.pp_rank, mesh.dp_rank):
-                mesh.cp_group = g
+        for r in range(pp):
+            g = group([at(rep, r, t) for t in range(tp)])
+            if (rep, r) == (mesh.replica, mesh.pp_rank):
+                mesh.tp_group = g
     if ep == 1:  # no expert sharding: experts (if any) are replicated like everything else
         mesh.expert_group = mesh.replica_group
         return mesh
-    for r in range(pp):
-        for block in range(reps // ep):
-            g = group([(block * ep + e) * pp + r for e in range(ep)])
-            if (r, block) == (mesh.pp_rank, mesh.replica // ep):
-                mesh.ep_group = g
-        for e in range(ep):
-            g = group([(block * ep + e) * pp + r for block in range(reps // ep)])
-            if (r, e) == (mesh.pp_rank, mesh.ep_rank):
-                mesh.expert_group = g
+    for t in range(tp):
+        for r in range(pp):
+            for block in range(reps // ep):
+                g = group([at(block * ep + e, r, t) for e in range(ep)])
+                if (r, block, t) == (mesh.pp_rank, mesh.replica // ep, me):
+                    mesh.ep_group = g
+            for e in range(ep):
+                g = group([at(block * ep + e, r, t) for block in range(reps // ep)])
+                if (r, e, t) == (mesh.pp_rank, mesh.ep_rank, me):
+                    mesh.expert_group = g
     return mesh
 
 
@@ -143,6 +165,7 @@ def add_tied_groups(mesh: Mesh, stages, trainable: set[str], stage_to_rank, time
         if len(owners) < 2:
             continue
         for rep in range(reps):
-            g = comms.new_group([rep * pp + r for r in owners], timeout)
-            if rep == mesh.replica and mesh.pp_rank in owners:
-                mesh.tied_groups[fqn] = g
+            for t in range(mesh.tp):
+                g = comms.new_group([(rep * pp + r) * mesh.tp + t for r in owners], timeout)
+                if (rep, t) == (mesh.replica, mesh.tp_rank) and mesh.pp_rank in owners:
+                    mesh.tied_groups[fqn] = g

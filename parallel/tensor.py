@@ -1,0 +1,82 @@
+"""Tensor parallelism: the linears the captured graph proves shardable are split over ``tp``
+ranks of one node (Megatron's column/row scheme, found by passes/tensor_parallel.py).
+
+``TensorParallel`` owns the graph rewrite, which parameters are tp shards and their state
+mapping: a sharded parameter's whole value is its ``tp`` blocks concatenated along the shard's
+dim in tp rank order. Every other owner sees the tp shard as the parameter (the data-parallel
+owner reduces, ZeRO-shards and steps it over the replicas of the same tp rank): ``whole`` of
+those owners is this rank's block, which ``widen`` gathers over the tp group, and ``narrow``
+cuts whole values to the blocks before the others load them. Replicated parameters get the same
+gradient on every tp rank (the backward all-reduce of ``tp_copy`` makes every replicated
+activation's gradient whole), so they need nothing here.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from autopar.passes.tensor_parallel import apply_tensor_parallel
+from autopar.runtime import comms
+
+from .base import Parallelism
+
+log = logging.getLogger("autopar")
+
+
+class TensorParallel(Parallelism):
+    name = "tp"
+
+    def __init__(self, *, tp: int, mesh, model):
+        self.tp, self.mesh, self.model = tp, mesh, model
+        self.shards: dict = {}  # fqn -> passes.tensor_parallel.TpShard
+
+    def rewrite_capture(self, captured):
+        res = apply_tensor_parallel(captured, self.tp, self.mesh.tp_rank, self.mesh.tp_group)
+        self.shards, self.result = res.shards, res
+        self.sharded = frozenset(res.shards)
+        named = dict(self.model.named_parameters())
+        local = {}
+        for f, sh in res.shards.items():
+            p = named[f]
+            local[f] = (torch.empty(sh.local_shape, dtype=p.dtype, device="meta") if p.is_meta
+                        else sh.local(p.detach()).clone())
+        from autopar.runtime.materialize import assign
+
+        assign(self.model, local)
+        log.info("autopar: tensor parallel over %d ranks: %d column and %d row linears sharded (%d parameters), "
+                 "%d region(s) kept replicated", self.tp, len(res.columns), len(res.rows), len(res.shards),
+                 len(res.replicated))
+        return res.captured
+
+    def local_of(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole value (the value itself when ``fqn`` is not sharded)."""
+        sh = self.shards.get(fqn)
+        return whole if sh is None else sh.local(whole)
+
+    def widen(self, values: dict) -> dict:
+        """Whole values from this rank's blocks (collective over the tp group; every rank of it
+        calls this with the same keys)."""
+        out = dict(values)
+        for f in sorted(self.shards):
+            if f in out and not out[f].is_meta and tuple(out[f].shape) == self.shards[f].local_shape:
+                sh = self.shards[f]
+                block = out[f].detach().movedim(sh.dim, 0).contiguous()
+                out[f] = comms.all_gather_dim0(block, self.mesh.tp_group).movedim(0, sh.dim).contiguous()
+        return out
+
+    def narrow(self, values: dict) -> dict:
+        """This rank's blocks of whole values (the others unchanged)."""
+        out = dict(values)
+        for f, sh in self.shards.items():
+            if f in out and tuple(out[f].shape) == sh.full_shape:
+                out[f] = sh.local(out[f])
+        return out
+
+    def load_whole(self, values: dict) -> None:
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for f, sh in self.shards.items():
+                p = named[f]
+                if not p.is_meta and tuple(p.shape) == sh.local_shape:
+                    p.copy_(self.local_of(f, values[f]) if tuple(values[f].shape) == sh.full_shape else values[f])

@@ -1,0 +1,501 @@
+"""Tensor parallelism found in the captured graph: what the dataflow proves shardable is
+sharded over ``tp`` ranks (Megatron's column/row scheme), the rest stays replicated.
+
+The pass follows every value's *placement* through the forward graph: replicated (every tp rank
+holds the whole value) or sharded along one tensor dim (rank r holds the r-th of ``tp`` equal
+contiguous blocks). Nothing is sharded by module name:
+
+* a **column** linear (``linear``, or ``mm``/``addmm``/``matmul`` by a 2-D parameter: GPT-2's
+  ``Conv1D``) reads a replicated input and a weight of its own; its weight's output rows (and
+  bias) are sharded, so its output is sharded along the last dim. Its input first goes through
+  ``autopar::tp_copy`` (forward: identity; backward: the all-reduce of the input's gradient);
+* a **row** linear reads a value sharded along its contracted (last) dim; its weight is sharded
+  along the input columns, its output is a partial sum, reduced by ``autopar::tp_reduce``
+  (forward: all-reduce; backward: identity), then its bias (replicated) is added once;
+* between them, each op follows a rule (``_RULES``): element-wise ops, reshapes (a sharded dim
+  split or merged as the leading factor: ``[B, S, H*D] <-> [B, S, H, D]``), transposes,
+  permutes, ``unsqueeze``/``expand`` (GQA's key/value head repeat), slices, cats and reductions
+  along other dims (RoPE's ``rotate_half``, softmax), attention (SDPA, or scores by ``matmul``)
+  with q, k and v sharded along the heads; shape arguments become the rank's local shapes.
+
+A sharded value that reaches an op without a rule (or a rule that does not hold: a reduction
+over the sharded dim, a size tp does not divide, a weight used elsewhere, the graph's output)
+makes every column linear it came from replicated again, with the reason logged, and the analysis
+runs again: a region without rules stays replicated and the run stays exact. Each rank's graph
+gets its own slices' shapes; the collectives are differentiable ops, so split_backward's joint
+trace puts the backward all-reduces (``tp_copy``'s) where the input gradient is computed (I) and
+the weight gradients (W) need no communication: per transformer layer, F holds two
+``tp_reduce`` and I two.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from .captured import CapturedGraph
+from .provenance import source_of
+
+log = logging.getLogger("autopar")
+aten = torch.ops.aten
+
+
+# -- the collectives (differentiable graph ops) ---------------------------------------------------------------------
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group))
+    return out
+
+
+@torch.library.custom_op("autopar::tp_reduce", mutates_args=())
+def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Forward: the sum over the tp group (a row linear's partial products); backward: identity."""
+    return _all_reduce(x, group)
+
+
+@tp_reduce.register_fake
+def _(x, group):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+tp_reduce.register_autograd(lambda ctx, grad: (grad, None))
+REDUCE = torch.ops.autopar.tp_reduce.default
+
+
+@torch.library.custom_op("autopar::tp_copy", mutates_args=())
+def tp_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Forward: identity (a replicated value entering the tp region); backward: the sum over the
+    tp group of the input's gradient (each rank's holds its shard's part only)."""
+    return x.clone()
+
+
+@tp_copy.register_fake
+def _(x, group):
+    return torch.empty_like(x)
+
+
+def _copy_setup(ctx, inputs, output):
+    ctx.group = inputs[1]
+
+
+tp_copy.register_autograd(lambda ctx, grad: (torch.ops.autopar.tp_reduce(grad, ctx.group), None),
+                          setup_context=_copy_setup)
+
+
+# -- what the pass returns ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TpShard:
+    """One parameter sharded over tp: rank ``rank`` holds block ``rank`` of ``tp`` equal
+    contiguous blocks of dim ``dim`` of the whole ``full_shape``."""
+
+    fqn: str
+    dim: int
+    full_shape: tuple[int, ...]
+    tp: int
+    rank: int
+
+    @property
+    def size(self) -> int:
+        return self.full_shape[self.dim] // self.tp
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        shape = list(self.full_shape)
+        shape[self.dim] = self.size
+        return tuple(shape)
+
+    def local(self, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a whole value."""
+        return whole.narrow(self.dim, self.rank * self.size, self.size)
+
+
+@dataclass
+class TensorParallelResult:
+    captured: CapturedGraph
+    shards: dict[str, TpShard]          # fqn -> its shard
+    columns: list[str]                  # the sharded linears' node names
+    rows: list[str]
+    replicated: list[str]               # why each region stayed replicated (one line each)
+
+
+# -- the analysis ---------------------------------------------------------------------------------------------------
+
+
+class _NoRule(Exception):
+    pass
+
+
+_SAME = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
+         aten.contiguous.default, aten.lift_fresh_copy.default}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+_REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
+_SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_SDPA = {aten.scaled_dot_product_attention.default}
+_MATMUL = {aten.matmul.default, aten.bmm.default}
+_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.p, aten.rand_like.default}
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, fx.Node) else None
+
+
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    out = []
+    fx.node.map_arg((node.args, node.kwargs),
+                    lambda a: out.append(a) if isinstance(_val(a), (torch.Tensor, list, tuple)) else None)
+    return out
+
+
+def _norm(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _op(node: fx.Node) -> str:
+    t = node.target
+    return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+
+
+def _where(node: fx.Node) -> str:
+    stack = node.meta.get("nn_module_stack")
+    path = list(stack.values())[-1][0] if stack else ""
+    src = source_of(node)
+    return f"{node.name}" + (f" in {path}" if path else "") + (f" ({src})" if src else "")
+
+
+def _broadcast_dim(node: fx.Node, dims: dict, tp: int) -> int:
+    """The output dim every sharded input of an element-wise op maps to (inputs aligned from the
+    right, as broadcasting does); a replicated input must broadcast along it (size 1 or absent)."""
+    out = _val(node)
+    ndim = out.dim()
+    target = None
+    for a in _tensor_args(node):
+        if a in dims:
+            d = dims[a] + ndim - _val(a).dim()
+            if target is not None and d != target:
+                raise _NoRule(f"inputs sharded along different dims ({target} and {d})")
+            if _val(a).shape[dims[a]] != out.shape[d]:
+                raise _NoRule("a sharded input is broadcast along its sharded dim")
+            target = d
+    for a in _tensor_args(node):
+        if a not in dims:
+            v = _val(a)
+            i = target - (ndim - v.dim())
+            if 0 <= i < v.dim() and v.shape[i] != 1:
+                raise _NoRule(f"a replicated input ({a.name}, shape {tuple(v.shape)}) is read along the sharded "
+                              f"dim {target}")
+    return target
+
+
+def _view_dim(src: torch.Size, dst: torch.Size, d: int, tp: int) -> int:
+    """Where dim d of ``src`` lands in the view ``dst``: the dst dim whose leading elements start
+    where it starts (same product of the dims before) and that tp divides; rank r's contiguous
+    block then stays one block (the sizes after it multiply to the same count)."""
+    before = math.prod(src[:d])
+    acc = 1
+    for e, n in enumerate(dst):
+        if acc == before and n % tp == 0 and n >= tp:
+            return e
+        acc *= n
+        if acc > before:
+            break
+    raise _NoRule(f"a view from {tuple(src)} to {tuple(dst)} splits the sharded dim {d} (size {src[d]}) into "
+                  f"pieces tp={tp} does not divide")
+
+
+def _dims_arg(node: fx.Node, i: int, ndim: int) -> list[int]:
+    a = node.args[i] if len(node.args) > i else node.kwargs.get("dim")
+    if a is None:
+        return list(range(ndim))
+    return [_norm(x, ndim) for x in (a if isinstance(a, (list, tuple)) else [a])]
+
+
+def _rule(node: fx.Node, dims: dict, tp: int):
+    """The output placement of a node with a sharded input (an int dim; a tuple for tuple
+    results; None: replicated, no output), or _NoRule."""
+    t = node.target
+    x = node.args[0] if node.args else None
+    xd = dims.get(x)
+    out = _val(node)
+    if t is operator.getitem:
+        return xd[node.args[1]] if isinstance(xd, tuple) else _no(xd)
+    if t in _RANDOM:
+        raise _NoRule("random numbers in a sharded region differ from one process's")
+    if t == aten._assert_tensor_metadata.default:
+        return None
+    if t in _SAME:
+        return xd
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t in (aten.where.self,):
+        return _broadcast_dim(node, dims, tp)
+    if t in _VIEWS:
+        return _view_dim(_val(x).shape, out.shape, xd, tp)
+    if t == aten.expand.default:
+        d = xd + out.dim() - _val(x).dim()
+        if out.shape[d] != _val(x).shape[xd]:
+            raise _NoRule("expand along the sharded dim")
+        return d
+    if t == aten.transpose.int:
+        a, b = (_norm(i, out.dim()) for i in node.args[1:3])
+        return b if xd == a else a if xd == b else xd
+    if t == aten.t.default:
+        return 1 - xd
+    if t == aten.permute.default:
+        return [_norm(i, out.dim()) for i in node.args[1]].index(xd)
+    if t == aten.unsqueeze.default:
+        return xd + (1 if _norm(node.args[1], out.dim()) <= xd else 0)
+    if t in (aten.squeeze.dim, aten.squeeze.dims):
+        gone = [i for i in _dims_arg(node, 1, _val(x).dim()) if _val(x).shape[i] == 1]
+        return xd - sum(1 for i in gone if i < xd)
+    if t == aten.repeat_interleave.self_int:  # block r repeated is block r of the repeat
+        return xd
+    if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.index_select.default):
+        dim = _norm(node.args[1] if len(node.args) > 1 else 0, _val(x).dim())
+        if dim == xd:
+            raise _NoRule(f"{_op(node)} along the sharded dim")
+        return xd - 1 if t == aten.select.int and dim < xd else xd
+    if t == aten.cat.default:
+        tensors = node.args[0]
+        ds = {dims.get(a) for a in tensors}
+        dim = _norm(node.args[1] if len(node.args) > 1 else 0, out.dim())
+        if len(ds) != 1 or None in ds or dim in ds:
+            raise _NoRule("a cat of inputs not all sharded along one other dim")
+        return ds.pop()
+    if t in _SPLITS or t == aten.unbind.int:
+        dim = _norm(node.args[2] if len(node.args) > 2 else 0, _val(x).dim()) if t != aten.unbind.int else \
+            _norm(node.args[1] if len(node.args) > 1 else 0, _val(x).dim())
+        if dim == xd:
+            raise _NoRule(f"{_op(node)} along the sharded dim (a packed weight without a rule)")
+        return tuple(xd - 1 if t == aten.unbind.int and dim < xd else xd for _ in out)
+    if t in _SOFTMAX:
+        if _norm(node.args[1], out.dim()) == xd:
+            raise _NoRule("softmax over the sharded dim")
+        return xd
+    if t in _REDUCE:
+        red = _dims_arg(node, 1, _val(x).dim())
+        if xd in red:
+            raise _NoRule(f"{_op(node)} over the sharded dim")
+        keep = (node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
+        return xd if keep else xd - sum(1 for i in red if i < xd)
+    if t in _SDPA:
+        q, k, v = node.args[:3]
+        if not all(dims.get(a) == 1 and _val(a).dim() == 4 for a in (q, k, v)):
+            raise _NoRule("attention whose q, k and v are not all sharded along the heads")
+        if node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
+            raise _NoRule("attention dropout in a sharded region")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node) and mask not in dims:
+            m = _val(mask)
+            if m.dim() >= 3 and m.shape[m.dim() - 3] != 1:
+                raise _NoRule("a per-head attention mask read along the sharded heads")
+        elif isinstance(mask, fx.Node) and dims[mask] != _val(mask).dim() - 3:
+            raise _NoRule("an attention mask sharded along another dim than the heads")
+        return 1
+    if t in _MATMUL:
+        a, b = node.args[:2]
+        da, db = dims.get(a), dims.get(b)
+        if da is None or db is None or _val(a).dim() != _val(b).dim() or da != db or da >= _val(a).dim() - 2:
+            raise _NoRule("a matmul whose operands are not both sharded along one batch dim")
+        return da
+    raise _NoRule(f"no rule for {_op(node)}")
+
+
+def _no(d):
+    if d is not None:
+        raise _NoRule("an indexed tuple")
+    return None
+
+
+@dataclass
+class _Linear:
+    node: fx.Node
+    x: fx.Node
+    weight: fx.Node
+    bias: fx.Node | None
+    out_dim: int  # the weight dim of the output features
+    in_dim: int   # the weight dim contracted with x's last dim
+
+
+def _linear(node: fx.Node, params: dict) -> _Linear | None:
+    """A linear layer by a 2-D parameter: ``linear(x, W[out, in], b)``, ``addmm(b, x, W[in, out])``,
+    ``mm``/``matmul(x, W[in, out])`` (GPT-2's ``Conv1D``)."""
+    t, a = node.target, node.args
+    if t == aten.linear.default:
+        x, w, b = a[0], a[1], (a[2] if len(a) > 2 else node.kwargs.get("bias"))
+        out_dim, in_dim = 0, 1
+    elif t == aten.addmm.default and len(a) == 3 and not node.kwargs:
+        b, x, w = a
+        out_dim, in_dim = 1, 0
+    elif t in (aten.mm.default, aten.matmul.default):
+        x, w = a[:2]
+        b, out_dim, in_dim = None, 1, 0
+    else:
+        return None
+    if not (isinstance(w, fx.Node) and w.op == "placeholder" and w.name in params and _val(w).dim() == 2):
+        return None
+    if b is not None and not (isinstance(b, fx.Node) and b.op == "placeholder" and b.name in params
+                              and _val(b).dim() == 1):
+        return None
+    return _Linear(node, x, w, b, out_dim, in_dim)
+
+
+@dataclass
+class _Analysis:
+    dims: dict          # node -> sharded dim (int, or a tuple for tuple results)
+    columns: dict       # node -> _Linear
+    rows: dict          # node -> _Linear
+    origin: dict        # node -> frozenset of the column nodes its shard came from
+
+
+def _analyze(graph: fx.Graph, params: dict, tp: int, off: set):
+    """One pass over the graph with the column linears in ``off`` kept replicated: the analysis,
+    or (the column nodes to turn off, the reason) at the first place a shard has no rule."""
+    dims, origin, columns, rows = {}, {}, {}, {}
+    for node in graph.nodes:
+        if node.op == "output":
+            bad = [a for a in _tensor_args(node) if a in dims]
+            if bad:
+                return frozenset().union(*(origin[a] for a in bad)), f"{bad[0].name} leaves the graph sharded"
+            continue
+        if node.op != "call_function":
+            continue
+        sharded = [a for a in _tensor_args(node) if a in dims]
+        lin = _linear(node, params)
+        if lin is not None and not sharded:
+            if node in off:
+                continue
+            if len(lin.weight.users) > 1 or (lin.bias is not None and len(lin.bias.users) > 1):
+                why = "its weight is also used elsewhere (tied)"
+            elif _val(lin.weight).shape[lin.out_dim] % tp:
+                why = f"{_val(lin.weight).shape[lin.out_dim]} output features are not divisible by tp={tp}"
+            else:
+                columns[node] = lin
+                dims[node], origin[node] = _val(node).dim() - 1, frozenset({node})
+                continue
+            log.debug("autopar: tensor parallel: %s stays replicated: %s", _where(node), why)
+            continue
+        if not sharded:
+            continue
+        src = frozenset().union(*(origin[a] for a in sharded))
+        if lin is not None:
+            shared = len(lin.weight.users) > 1 or (lin.bias is not None and len(lin.bias.users) > 1)
+            if dims[lin.x] != _val(lin.x).dim() - 1 or sharded != [lin.x] or shared:
+                return src, (f"{_where(node)}: a linear reads a value sharded along dim {dims[lin.x]}, not its "
+                             "contracted dim" if not shared else f"{_where(node)}: its weight is also used elsewhere")
+            rows[node] = lin
+            continue
+        try:
+            d = _rule(node, dims, tp)
+        except _NoRule as e:
+            return src, f"{_where(node)}: {e}"
+        if d is not None:
+            dims[node], origin[node] = d, src
+    return _Analysis(dims, columns, rows, origin)
+
+
+def analyze(captured: CapturedGraph, tp: int):
+    """(the analysis, one line per region kept replicated): regions are dropped until every
+    shard has a rule."""
+    off: set = set()
+    replicated = []
+    while True:
+        res = _analyze(captured.gm.graph, captured.params, tp, off)
+        if isinstance(res, _Analysis):
+            return res, replicated
+        cols, why = res
+        names = sorted({captured.params[c.args[1].name if c.target == aten.linear.default else c.args[-1].name]
+                        .rsplit(".", 1)[0] for c in cols})
+        replicated.append(f"{', '.join(names)} kept replicated: {why}")
+        off |= cols
+
+
+# -- the rewrite ----------------------------------------------------------------------------------------------------
+
+
+def _local_shape(val: torch.Tensor, d: int, tp: int) -> list[int]:
+    shape = list(val.shape)
+    shape[d] //= tp
+    return shape
+
+
+def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group) -> TensorParallelResult:
+    """A new capture whose graph is this tp rank's, and the parameters it shards (the input
+    capture is not changed)."""
+    group_name = group if isinstance(group, str) else group.group_name
+    out = captured.copy()
+    graph = out.gm.graph
+    an, replicated = analyze(out, tp)
+    for line in replicated:
+        log.info("autopar: tensor parallel: %s", line)
+    shards: dict[str, TpShard] = {}
+    for lins, role in ((an.columns, "out_dim"), (an.rows, "in_dim")):
+        for lin in lins.values():
+            w = lin.weight
+            shards[captured.params[w.name]] = TpShard(captured.params[w.name], getattr(lin, role),
+                                                      tuple(_val(w).shape), tp, tp_rank)
+            if lin.bias is not None and role == "out_dim":
+                shards[captured.params[lin.bias.name]] = TpShard(captured.params[lin.bias.name], 0,
+                                                                 tuple(_val(lin.bias).shape), tp, tp_rank)
+    fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if n.op == "placeholder"])
+    with fake_mode:
+        for node in graph.nodes:
+            if node.op == "placeholder" and node.name in captured.params and captured.params[node.name] in shards:
+                node.meta["val"] = node.meta["val"].new_empty(shards[captured.params[node.name]].local_shape)
+        copies: dict = {}
+        for node in list(graph.nodes):
+            if node in an.columns:
+                x = an.columns[node].x
+                if x not in copies:  # one copy per input, before its first column linear
+                    with graph.inserting_before(node):
+                        copies[x] = _new(graph, torch.ops.autopar.tp_copy.default, (x, group_name), node)
+                node.replace_input_with(x, copies[x])
+                _refresh(node)
+            elif node in an.rows:
+                lin = an.rows[node]
+                if lin.bias is not None:  # added once, after the sum
+                    node.target = aten.linear.default if node.target == aten.linear.default else aten.mm.default
+                    node.args, node.kwargs = (lin.x, lin.weight), {}
+                _refresh(node)
+                users = list(node.users)
+                with graph.inserting_after(node):
+                    red = _new(graph, torch.ops.autopar.tp_reduce.default, (node, group_name), node)
+                last = red
+                if lin.bias is not None:
+                    with graph.inserting_after(red):
+                        last = _new(graph, aten.add.Tensor, (red, lin.bias), node)
+                for u in users:
+                    u.replace_input_with(node, last)
+            elif node in an.dims:
+                d = an.dims[node]
+                if node.target in _VIEWS or node.target == aten.expand.default:
+                    node.args = (node.args[0], _local_shape(node.meta["val"], d, tp), *node.args[2:])
+                _refresh(node)
+    graph.lint()
+    out.gm.recompile()
+    return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated)
+
+
+def _new(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
+    node = graph.call_function(target, args, {})
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node
+
+
+def _refresh(node: fx.Node) -> None:
+    if node.meta.get("val") is None:
+        return
+    vals = fx.node.map_arg(node.args, lambda a: a.meta["val"])
+    kvals = fx.node.map_arg(node.kwargs, lambda a: a.meta["val"])
+    node.meta["val"] = node.target(*vals, **kvals)
