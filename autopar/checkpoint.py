@@ -192,6 +192,15 @@ def _covers_whole(s: Shard) -> bool:
 # -- save -----------------------------------------------------------------------------------------
 
 
+def _check_tensor_parallel(built, what: str) -> None:
+    """ValueError (before any collective) under tensor parallelism: its row-parallel shards are
+    column blocks, not the flat ranges this format maps; ``pm.state_dict()`` is whole under tp."""
+    if built.plan.tp > 1:
+        raise ValueError(f"autopar: pm.{what}() does not map tensor-parallel shards yet (plan tp={built.plan.tp}); "
+                         "save pm.state_dict() (whole tensors, every rank) with torch.save or safetensors instead, and "
+                         "pass it back with pm.load_state_dict() or parallelize(..., weights=)")
+
+
 def save(pm, path: str) -> None:
     """Write a checkpoint of ``pm`` to directory ``path`` (collective: every rank calls it).
 
@@ -201,6 +210,7 @@ def save(pm, path: str) -> None:
     gathered. A save that does not finish leaves no ``.metadata`` file in ``path``: ``load``
     refuses the directory with a ValueError, and an earlier checkpoint elsewhere is untouched."""
     built = pm.built
+    _check_tensor_parallel(built, "save")
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"autopar: checkpoint path {path} exists and is not a directory")
@@ -349,6 +359,7 @@ def load(pm, path: str) -> None:
     masters, optimizer state, param_groups options, ``pm.step_count``, this rank's RNG states.
     ValueError for a missing or incomplete directory, or one that does not fit the model."""
     built = pm.built
+    _check_tensor_parallel(built, "load")
     path = os.fspath(path)
     md = read_metadata(path)
     mesh = built.mesh

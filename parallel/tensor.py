@@ -62,7 +62,8 @@ class TensorParallel(Parallelism):
             if f in out and not out[f].is_meta and tuple(out[f].shape) == self.shards[f].local_shape:
                 sh = self.shards[f]
                 block = out[f].detach().movedim(sh.dim, 0).contiguous()
-                out[f] = comms.all_gather_dim0(block, self.mesh.tp_group).movedim(0, sh.dim).contiguous()
+                gathered = comms.all_gather_dim0(block, self.mesh.tp_group).movedim(0, sh.dim)
+                out[f] = sh.whole(list(gathered.chunk(self.tp, sh.dim))).contiguous()
         return out
 
     def narrow(self, values: dict) -> dict:

@@ -103,6 +103,7 @@ class TpShard:
     full_shape: tuple[int, ...]
     tp: int
     rank: int
+    parts: tuple[int, ...] = ()  # a packed weight (q, k, v in one): the sizes along dim of its parts, each sharded
 
     @property
     def size(self) -> int:
@@ -115,8 +116,20 @@ class TpShard:
         return tuple(shape)
 
     def local(self, whole: torch.Tensor) -> torch.Tensor:
-        """This rank's block of a whole value."""
-        return whole.narrow(self.dim, self.rank * self.size, self.size)
+        """This rank's block of a whole value (of a packed one: its block of each part, in order)."""
+        if not self.parts:
+            return whole.narrow(self.dim, self.rank * self.size, self.size)
+        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
+        return torch.cat([whole.narrow(self.dim, a + self.rank * n // self.tp, n // self.tp)
+                          for a, n in zip(starts, self.parts)], self.dim)
+
+    def whole(self, blocks: list[torch.Tensor]) -> torch.Tensor:
+        """The whole value from every rank's block, in tp rank order (``local``'s inverse)."""
+        if not self.parts:
+            return torch.cat(blocks, self.dim)
+        starts = [sum(self.parts[:i]) // self.tp for i in range(len(self.parts))]
+        return torch.cat([b.narrow(self.dim, a, n // self.tp) for a, n in zip(starts, self.parts) for b in blocks],
+                         self.dim)
 
 
 @dataclass
@@ -323,6 +336,7 @@ class _Linear:
     bias: fx.Node | None
     out_dim: int  # the weight dim of the output features
     in_dim: int   # the weight dim contracted with x's last dim
+    parts: tuple[int, ...] = ()  # a packed column: the sizes its output is split into, each sharded
 
 
 def _linear(node: fx.Node, params: dict) -> _Linear | None:
@@ -346,6 +360,26 @@ def _linear(node: fx.Node, params: dict) -> _Linear | None:
                               and _val(b).dim() == 1):
         return None
     return _Linear(node, x, w, b, out_dim, in_dim)
+
+
+def _packed_column(node: fx.Node, dims: dict, columns: dict, tp: int):
+    """The column linear whose output ``node`` splits along the sharded dim into parts tp
+    divides (one packed weight for q, k and v, or gate and up), reached through views that keep
+    that dim whole and have no other user; None when ``node`` is not such a split."""
+    if node.target not in (aten.split.Tensor, aten.split_with_sizes.default):
+        return None
+    x = node.args[0]
+    d = dims.get(x)
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), _val(x).dim())
+    if d != dim or any(v.shape[dim] % tp for v in _val(node)):
+        return None
+    width = _val(x).shape[dim]
+    n = x
+    while n not in columns:
+        if n.target not in _VIEWS | _SAME or len(n.users) != 1 or _val(n).shape[dims[n]] != width:
+            return None
+        n = n.args[0]
+    return n if len(n.users) == 1 and _val(n).shape[-1] == width and not columns[n].parts else None
 
 
 @dataclass
@@ -392,6 +426,11 @@ def _analyze(graph: fx.Graph, params: dict, tp: int, off: set):
                 return src, (f"{_where(node)}: a linear reads a value sharded along dim {dims[lin.x]}, not its "
                              "contracted dim" if not shared else f"{_where(node)}: its weight is also used elsewhere")
             rows[node] = lin
+            continue
+        packed = _packed_column(node, dims, columns, tp)
+        if packed is not None:  # a packed column's parts: each rank gets its block of each
+            columns[packed].parts = tuple(int(v.shape[dims[node.args[0]]]) for v in _val(node))
+            dims[node], origin[node] = tuple(dims[node.args[0]] for _ in _val(node)), src
             continue
         try:
             d = _rule(node, dims, tp)
@@ -441,10 +480,10 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
         for lin in lins.values():
             w = lin.weight
             shards[captured.params[w.name]] = TpShard(captured.params[w.name], getattr(lin, role),
-                                                      tuple(_val(w).shape), tp, tp_rank)
+                                                      tuple(_val(w).shape), tp, tp_rank, lin.parts)
             if lin.bias is not None and role == "out_dim":
                 shards[captured.params[lin.bias.name]] = TpShard(captured.params[lin.bias.name], 0,
-                                                                 tuple(_val(lin.bias).shape), tp, tp_rank)
+                                                                 tuple(_val(lin.bias).shape), tp, tp_rank, lin.parts)
     fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if n.op == "placeholder"])
     with fake_mode:
         for node in graph.nodes:
@@ -478,6 +517,11 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
                 d = an.dims[node]
                 if node.target in _VIEWS or node.target == aten.expand.default:
                     node.args = (node.args[0], _local_shape(node.meta["val"], d, tp), *node.args[2:])
+                elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and \
+                        _norm(node.args[2] if len(node.args) > 2 else 0, node.args[0].meta["val"].dim()) == d[0]:
+                    sizes = node.args[1]  # a packed column's split: the local parts
+                    node.args = (node.args[0], [n // tp for n in sizes] if isinstance(sizes, (list, tuple))
+                                 else sizes // tp, *node.args[2:])
                 _refresh(node)
     graph.lint()
     out.gm.recompile()

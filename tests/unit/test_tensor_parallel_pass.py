@@ -1,0 +1,112 @@
+"""T4: what the tensor-parallel pass (passes/tensor_parallel.py) shards and what it keeps
+replicated, on captures of small models (no process group): the sharded linears against the
+hand-written Megatron assignment, and one replicated fallback of each kind of issue 38 item 2
+(heads or FFN width tp does not divide, a packed weight without a rule, a norm over the sharded
+dim, dropout in a sharded region, a weight used twice), each with the reason it logs; the shard
+mapping of a packed weight against a brute force."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar import passes
+from autopar.passes.tensor_parallel import TpShard, analyze
+from tests.models import make_llama
+
+
+def _analysis(model, x, tp):
+    captured = passes.capture(model, (x,), None, None)
+    an, replicated = analyze(captured, tp)
+    name = {ph: fqn.rsplit(".", 1)[0] for ph, fqn in captured.params.items()}
+    cols = sorted(name[lin.weight.name] for lin in an.columns.values())
+    rows = sorted(name[lin.weight.name] for lin in an.rows.values())
+    return cols, rows, replicated
+
+
+class _Block(nn.Module):
+    """Attention (``heads`` heads of 4) and an MLP (``ffn`` wide) with optional oddities."""
+
+    def __init__(self, heads=2, ffn=8, dropout=0.0, mlp_norm=False, packed_view=False, tied=False):
+        super().__init__()
+        d = 8
+        self.heads, self.packed_view = heads, packed_view
+        self.qkv = nn.Linear(d, 3 * heads * 4)
+        self.out = nn.Linear(heads * 4, d)
+        self.up = nn.Linear(d, ffn)
+        self.down = nn.Linear(ffn, d)
+        self.drop = nn.Dropout(dropout)
+        self.norm = nn.LayerNorm(ffn) if mlp_norm else nn.Identity()
+        if tied:
+            self.down.weight = nn.Parameter(self.up.weight.detach().t().clone())
+            self.up2 = nn.Linear(d, ffn, bias=False)
+            self.up2.weight = self.up.weight
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        h = self.heads
+        if self.packed_view:  # [b, t, 3, H, D] then unbind: the packed dim is split by a view, not a split
+            q, k, v = self.qkv(x).view(b, t, 3, h, 4).permute(2, 0, 3, 1, 4).unbind(0)
+        else:
+            q, k, v = (y.view(b, t, h, 4).transpose(1, 2) for y in self.qkv(x).split(h * 4, dim=-1))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, h * 4)
+        x = x + self.out(y)
+        up = self.up(x)
+        if hasattr(self, "up2"):
+            up = up + self.up2(x)
+        return (x + self.down(self.drop(self.norm(F.gelu(up))))).sum()
+
+
+X = torch.randn(2, 4, 8)
+
+
+def test_llama_shards_as_megatron_does():
+    case = make_llama()
+    captured = passes.capture(case.model, case.inputs, case.target, case.loss_fn)
+    an, replicated = analyze(captured, 2)
+    cols = {captured.params[lin.weight.name].split(".")[-2] for lin in an.columns.values()}
+    rows = {captured.params[lin.weight.name].split(".")[-2] for lin in an.rows.values()}
+    layers = len(case.model.layers)
+    assert (len(an.columns), len(an.rows)) == (5 * layers, 2 * layers)
+    assert cols == {"wq", "wk", "wv", "w1", "w3"} and rows == {"wo", "w2"}
+    # the LM head's logits reach the cross-entropy, which has no rule: replicated, said why
+    assert len(replicated) == 1 and "output" in replicated[0] and "cross_entropy" in replicated[0]
+
+
+def test_packed_qkv_split_and_both_mlps_shard():
+    cols, rows, replicated = _analysis(_Block(), X, 2)
+    assert cols == ["qkv", "up"] and rows == ["down", "out"] and not replicated
+
+
+@pytest.mark.parametrize("kwargs, tp, kept, why", [
+    (dict(heads=3), 2, ["down", "up"], "does not divide"),                 # 3 heads over tp=2
+    (dict(packed_view=True), 2, ["down", "up"], "does not divide"),        # [.., 3, H, D]: no rule for the 3
+    (dict(mlp_norm=True), 2, ["out", "qkv"], "no rule for layer_norm"),    # LayerNorm over the FFN width
+    (dict(dropout=0.1), 2, ["out", "qkv"], "random numbers"),              # dropout between up and down
+])
+def test_replicated_fallbacks_say_why(kwargs, tp, kept, why):
+    model = _Block(**kwargs)
+    model.train()
+    cols, rows, replicated = _analysis(model, X, tp)
+    assert sorted(cols + rows) == kept, (cols, rows, replicated)
+    assert replicated and why in replicated[0], replicated  # (then the linears after it, as columns of their own)
+
+
+def test_width_tp_does_not_divide_and_tied_weights_stay_replicated():
+    cols, rows, _ = _analysis(_Block(heads=2, ffn=6), X, 4)  # 6 FFN columns, 8 q/k/v columns over tp=4
+    assert "up" not in cols and "down" not in rows
+    cols, rows, _ = _analysis(_Block(tied=True), X, 2)  # up's weight is also up2's
+    assert "up" not in cols and "up2" not in cols and "down" not in rows
+
+
+@pytest.mark.parametrize("parts, dim", [((), 0), ((8, 4, 4), 0), ((6, 6), 1)])
+def test_shard_blocks_rebuild_the_whole(parts, dim):
+    shape = (16, 12) if dim == 0 else (4, 12)
+    whole = torch.arange(shape[0] * shape[1], dtype=torch.float32).view(shape)
+    tp = 2
+    blocks = [TpShard("w", dim, shape, tp, r, parts).local(whole) for r in range(tp)]
+    # by hand: rank r holds block r of every part, parts in order
+    starts, sizes = ([0], [shape[dim]]) if not parts else ([sum(parts[:i]) for i in range(len(parts))], parts)
+    for r, blk in enumerate(blocks):
+        want = torch.cat([whole.narrow(dim, a + r * n // tp, n // tp) for a, n in zip(starts, sizes)], dim)
+        assert torch.equal(blk, want)
+    assert torch.equal(TpShard("w", dim, shape, tp, 0, parts).whole(blocks), whole)
