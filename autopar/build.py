@@ -267,6 +267,10 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
     length), ExpertParallel (shards the experts of the model in place); TensorParallel, which
     acts on the capture."""
     owners = {}
+    if plan.tp > 1:  # acts on the capture first (rewrite_graph): CP then splits the rank's heads
+        from autopar.parallel.tensor import TensorParallel
+
+        owners["tp"] = TensorParallel(tp=plan.tp, mesh=mesh, model=model)
     if plan.cp > 1:
         from autopar.parallel.context import ContextParallel
 
@@ -277,10 +281,6 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
 
         owners["ep"] = ExpertParallel(ep=plan.ep, mesh=mesh)
         owners["ep"].rewrite_module(model)
-    if plan.tp > 1:  # acts on the capture (rewrite_graph); it shards the model's parameters there
-        from autopar.parallel.tensor import TensorParallel
-
-        owners["tp"] = TensorParallel(tp=plan.tp, mesh=mesh, model=model)
     from autopar.passes import moe_dispatch
 
     for name, module in model.named_modules():  # the dropless experts: the plan's receive ratios

@@ -520,7 +520,7 @@ def test_mixed_precision_with_ep_needs_one_process_per_rank():
     from tests.models import ALL_CASES
 
     case = ALL_CASES["moe_ep"](seed=5)
-    with pytest.raises(ValueError, match=r"ep=2 need one process per rank.*torchrun.*or use cp=1, ep=1"):
+    with pytest.raises(ValueError, match=r"ep=2, tp=1 need one process per rank.*torchrun.*or use cp=1, ep=1, tp=1"):
         autopar.parallelize(case.model, (case.inputs[0].to(torch.bfloat16),), loss_fn=_loss32, optimizer=_opt(),
                             plan=autopar.Plan(dp=2, ep=2, schedule="1f1b", num_microbatches=2, zero=1),
                             example_target=case.target, mixed_precision=autopar.MixedPrecision())

@@ -24,7 +24,7 @@ def _parallelize(rank, world, plan_kwargs, batch=8):
 
 
 @pytest.mark.parametrize("plan,batch,expect", [
-    (dict(pp=4), 8, "pp*dp*cp = 4*1*1 = 4 ranks but the process group has 2"),
+    (dict(pp=4), 8, "pp*dp*cp*tp = 4*1*1*1 = 4 ranks but the process group has 2"),
     (dict(pp=2, schedule="1f1b", num_microbatches=1), 8, "m=1"),
     (dict(pp=2, num_microbatches=4), 6, "not divisible"),
 ], ids=["world-mismatch", "too-few-microbatches", "batch-not-divisible"])

@@ -1,10 +1,14 @@
 """T1: tensor parallelism (passes/tensor_parallel.py) over gloo, exact against one eager process.
 
-``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2 and GPT-2 (``Conv1D``: transposed
-weights, the packed q/k/v projection) and this repository's GPT and Llama; two SGD steps against
-tests/reference.py's eager run (design.md §5: losses to 1e-5, parameters after the steps to 1e-5
-relative). What the pass did is read off the programs too: per transformer layer the forward
-holds two ``tp_reduce`` (the row linears' sums), I two (the column inputs' gradients) and W none.
+``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2, Mixtral (attention under tp, the MoE
+replicated) and GPT-2 (``Conv1D``: transposed weights, the packed q/k/v projection) and this
+repository's GPT (also under bf16 mixed precision) and Llama; HF Llama built on the
+meta device and read from safetensors. On 4 processes: pp=2 x tp=2 zbv, dp=2 x tp=2 ZeRO-3, cp=2 x tp=2 (heads
+over tp x cp) and Mixtral at dp=2 x ep=2 x tp=2 (attention under tp, experts under ep). Two SGD
+steps against tests/reference.py's eager run (design.md §5: losses to 1e-5, parameters after the
+steps to 1e-5 relative; bf16: 1e-3 on losses, 2e-2 on each tensor, design.md §5's ~2%).
+What the pass did is read off the programs too: per transformer layer the forward holds two
+``tp_reduce`` (the row linears' sums), I two (the column inputs' gradients) and W none.
 One process group per world size runs every sub-case; a sub-case's exception is reported with
 its traceback and the others go on.
 """
@@ -16,10 +20,13 @@ pytestmark = pytest.mark.slow
 
 BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 # (model, plan kwargs) per world size
+# (options: "bf16" mixed precision, "meta" the model built on the meta device and read from a
+# safetensors file of the eager model's weights)
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
-             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2))],
+             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
+             ("llama", dict(tp=2, meta=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
-             ("qwen2", dict(dp=2, tp=2, zero=3))]}
+             ("qwen2", dict(dp=2, tp=2, zero=3)), ("llama", dict(cp=2, tp=2)), ("mixtral", dict(dp=2, ep=2, tp=2))]}
 
 # the tp all-reduces of a forward, by hand: 2 per layer (llama, qwen2, gpt2, mixtral: 2 layers;
 # gpt, tiny_llama: 4), Mixtral's MoE layers 1 (attention only)
@@ -50,7 +57,11 @@ def _reduces(program) -> dict:
             for kind in ("F", "I", "W")}
 
 
-def _train_many(rank, world, cases):
+def _label(key) -> str:
+    return f"{key[0]} {key[1]}"
+
+
+def _train_many(rank, world, cases, tmp):
     import time
     import traceback
 
@@ -59,15 +70,30 @@ def _train_many(rank, world, cases):
     import autopar
 
     out = {}
-    for name, plan_kwargs in cases:
+    for key in cases:
+        name, plan_kwargs = key[0], dict(key[1])
+        bf16, meta = plan_kwargs.pop("bf16", False), plan_kwargs.pop("meta", False)
         t0 = time.perf_counter()
         try:
             case = _case(name)
-            pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_sgd,
-                                     plan=autopar.Plan(**{"num_microbatches": M, **plan_kwargs}), example_target=case.target)
+            model, weights = case.model, None
+            if meta:  # the same weights, read by each rank from a file: only its slices kept
+                from safetensors.torch import save_file
+
+                weights = f"{tmp}/{name}.safetensors"
+                if rank == 0:
+                    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, weights)
+                torch.distributed.barrier()
+                with torch.device("meta"):
+                    model = _case(name).model
+            pm = autopar.parallelize(model, case.inputs, loss_fn=case.loss_fn, optimizer=_sgd, weights=weights,
+                                     plan=autopar.Plan(**{"num_microbatches": M, **plan_kwargs}),
+                                     example_target=case.target,
+                                     mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16)
+                                     if bf16 else None)
             losses = [pm.step(case.inputs, case.target) for _ in range(STEPS)]
             tp = pm.built.parallelisms["tp"]
-            out[name] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
+            out[_label(key)] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
                          "programs": {s: _reduces(p) for s, p in enumerate(pm.built.programs)
                                       if s in pm.built.parallelisms["pp"].my_stages},
                          "sharded": len(tp.shards),
@@ -75,37 +101,45 @@ def _train_many(rank, world, cases):
                                             if not p.is_meta),
                          "s": time.perf_counter() - t0}
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
-            out[name] = traceback.format_exc()
+            out[_label(key)] = traceback.format_exc()
     torch.distributed.barrier()
     return out
 
 
 @pytest.mark.parametrize("world", sorted(CASES))
-def test_tensor_parallel_matches_eager(world):
+def test_tensor_parallel_matches_eager(world, tmp_path):
     import torch
 
-    from tests.reference import assert_close_state, eager_reference
+    from tests.reference import assert_close_state, eager_mixed_reference, eager_reference
 
-    per_rank = run_shared(_train_many, world, CASES[world], deadline_s=600, reuse=False)
+    per_rank = run_shared(_train_many, world, CASES[world], str(tmp_path), deadline_s=600, reuse=False)
     failures = []
-    for name, plan_kwargs in CASES[world]:
+    for key in CASES[world]:
+        name, plan_kwargs, label = key[0], key[1], _label(key)
         try:
             case = _case(name)
             whole = sum(p.numel() * p.element_size() for p in case.model.parameters())
-            ref_losses, ref_state = eager_reference(case.model, case.inputs, case.target, case.loss_fn, _sgd,
-                                                    dp=plan_kwargs.get("dp", 1),
-                                                    num_microbatches=plan_kwargs.get("num_microbatches", M),
-                                                    steps=STEPS)
+            bf16 = plan_kwargs.get("bf16", False)
+            ref = eager_mixed_reference if bf16 else eager_reference
+            ref_losses, ref_state = ref(case.model, case.inputs, case.target, case.loss_fn, _sgd,
+                                        dp=plan_kwargs.get("dp", 1),
+                                        num_microbatches=plan_kwargs.get("num_microbatches", M), steps=STEPS)
             for r in range(world):
-                res = per_rank[r][name]
+                res = per_rank[r][label]
                 assert isinstance(res, dict), f"rank {r} raised:\n{res}"
                 for step, want in enumerate(ref_losses):
-                    torch.testing.assert_close(res["losses"][step], want, rtol=1e-5, atol=0,
+                    torch.testing.assert_close(res["losses"][step], want, rtol=1e-3 if bf16 else 1e-5, atol=0,
                                                msg=lambda m: f"rank {r} step {step} loss: {m}")
-                assert_close_state(res["state"], ref_state)
-            res = per_rank[world - 1][name]
-            programs = {s: c for r in range(world) for s, c in per_rank[r][name]["programs"].items()}
-            print(f"{name} {plan_kwargs}: {res['sharded']} parameters sharded, {programs}, "
+                if bf16:  # each tensor as a whole, within design.md §5's ~2%: the row linears' partial
+                    # products are rounded to bf16 before their sum over tp (one rounding in eager)
+                    for k, want in ref_state.items():
+                        err = float((res["state"][k] - want).norm() / want.norm().clamp_min(1e-12))
+                        assert err < 2e-2, f"rank {r} {k}: relative error {err:.2e} against the mixed eager run"
+                else:
+                    assert_close_state(res["state"], ref_state)
+            res = per_rank[world - 1][label]
+            programs = {s: c for r in range(world) for s, c in per_rank[r][label]["programs"].items()}
+            print(f"{label}: {res['sharded']} parameters sharded, {programs}, "
                   f"{res['local_bytes'] / whole:.2f} of the bytes, {res['s']:.1f} s")
             # per transformer layer: two sums in F (attention and MLP outputs; Mixtral's experts
             # stay replicated: one), as many in I (their inputs' gradients), none in W
@@ -114,5 +148,5 @@ def test_tensor_parallel_matches_eager(world):
             assert sum(c["I"] for c in programs.values()) == REDUCES[name], programs
             assert all(c["W"] == 0 for c in programs.values()), programs
         except Exception as e:  # noqa: BLE001
-            failures.append(f"{name} {plan_kwargs}: {e}")
+            failures.append(f"{label}: {e}")
     assert not failures, "\n\n".join(failures)
