@@ -126,7 +126,7 @@ from torch._guards import detect_fake_mode
 
 from .captured import CapturedGraph
 from .costs import annotate_costs
-from .provenance import source_of
+from .provenance import module_path, op_name, source_of
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -1135,15 +1135,11 @@ def _set_arg(node: fx.Node, name: str, value) -> None:
     raise KeyError(name)
 
 
-def _op_name(node: fx.Node) -> str:
-    t = node.target
-    return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+_op_name = op_name
 
 
 def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    path = list(stack.values())[-1][0] if stack else ""
-    path = path.removeprefix("model.") if path != "model" else ""
+    path = module_path(node)
     return f"{node.name} ({path})" if path else node.name
 
 

@@ -40,7 +40,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .captured import CapturedGraph
-from .provenance import source_of
+from .provenance import module_path, op_name, source_of
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -174,14 +174,11 @@ def _norm(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def _op(node: fx.Node) -> str:
-    t = node.target
-    return t._schema.name.split("::")[-1] if isinstance(t, torch._ops.OpOverload) else getattr(t, "__name__", str(t))
+_op = op_name
 
 
 def _where(node: fx.Node) -> str:
-    stack = node.meta.get("nn_module_stack")
-    path = list(stack.values())[-1][0] if stack else ""
+    path = module_path(node)
     src = source_of(node)
     return f"{node.name}" + (f" in {path}" if path else "") + (f" ({src})" if src else "")
 
@@ -490,13 +487,24 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
             if node.op == "placeholder" and node.name in captured.params and captured.params[node.name] in shards:
                 node.meta["val"] = node.meta["val"].new_empty(shards[captured.params[node.name]].local_shape)
         copies: dict = {}
+        graded = _graded(out)
+
+        def copy_of(x: fx.Node, before: fx.Node) -> fx.Node:
+            if x not in copies:  # one copy per value, before its first reader in the tp region
+                with graph.inserting_before(before):
+                    copies[x] = _new(graph, torch.ops.autopar.tp_copy.default, (x, group_name), before)
+            return copies[x]
+
         for node in list(graph.nodes):
+            if node in an.dims and node not in an.columns:
+                # a replicated operand with a gradient (a q/k norm's weight, a learned scale) read
+                # by a sharded op gets only this rank's part of its gradient: tp_copy sums them
+                for a in _tensor_args(node):
+                    if a not in an.dims and a in graded:
+                        node.replace_input_with(a, copy_of(a, node))
             if node in an.columns:
                 x = an.columns[node].x
-                if x not in copies:  # one copy per input, before its first column linear
-                    with graph.inserting_before(node):
-                        copies[x] = _new(graph, torch.ops.autopar.tp_copy.default, (x, group_name), node)
-                node.replace_input_with(x, copies[x])
+                node.replace_input_with(x, copy_of(x, node))
                 _refresh(node)
             elif node in an.rows:
                 lin = an.rows[node]
@@ -526,6 +534,20 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
     graph.lint()
     out.gm.recompile()
     return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated)
+
+
+def _graded(captured: CapturedGraph) -> set:
+    """The floating values that may carry a gradient: those computed from a parameter or a
+    floating model input (a later stage's input is an activation)."""
+    out = set()
+    for node in captured.gm.graph.nodes:
+        v = _val(node)
+        if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+            continue
+        if node.op == "placeholder" and (node.name in captured.params or node.name in captured.inputs) or \
+                any(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
 
 
 def _new(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:

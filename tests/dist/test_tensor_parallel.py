@@ -1,7 +1,7 @@
 """T1: tensor parallelism (passes/tensor_parallel.py) over gloo, exact against one eager process.
 
-``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2, Mixtral (attention under tp, the MoE
-replicated) and GPT-2 (``Conv1D``: transposed weights, the packed q/k/v projection) and this
+``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2, Mixtral and Qwen3-MoE (attention under
+tp, q/k norms replicated, the MoE replicated) and GPT-2 (``Conv1D``: transposed weights, the packed q/k/v projection) and this
 repository's GPT (also under bf16 mixed precision) and Llama; HF Llama built on the
 meta device and read from safetensors. On 4 processes: pp=2 x tp=2 zbv, dp=2 x tp=2 ZeRO-3, cp=2 x tp=2 (heads
 over tp x cp) and Mixtral at dp=2 x ep=2 x tp=2 (attention under tp, experts under ep). Two SGD
@@ -23,14 +23,17 @@ BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 # (options: "bf16" mixed precision, "meta" the model built on the meta device and read from a
 # safetensors file of the eager model's weights)
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
-             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
+             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
              ("llama", dict(tp=2, meta=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
              ("qwen2", dict(dp=2, tp=2, zero=3)), ("llama", dict(cp=2, tp=2)), ("mixtral", dict(dp=2, ep=2, tp=2))]}
 
-# the tp all-reduces of a forward, by hand: 2 per layer (llama, qwen2, gpt2, mixtral: 2 layers;
-# gpt, tiny_llama: 4), Mixtral's MoE layers 1 (attention only)
-REDUCES = {"llama": 4, "qwen2": 4, "gpt2": 4, "gpt": 8, "tiny_llama": 8, "mixtral": 2}
+# the tp all-reduces of a forward and of a backward, by hand: 2 and 2 per layer (llama, qwen2, gpt2:
+# 2 layers; gpt, tiny_llama: 4); MoE layers (mixtral, qwen3_moe: 2 layers) 1 (attention only), and
+# in Qwen3's backward 2 more per layer: its q and k norms' weights, replicated, read by the
+# head-sharded attention, each rank computing its heads' part of their gradients
+REDUCES = {"llama": (4, 4), "qwen2": (4, 4), "gpt2": (4, 4), "gpt": (8, 8), "tiny_llama": (8, 8),
+           "mixtral": (2, 2), "qwen3_moe": (2, 6)}
 
 
 def _case(name):
@@ -144,8 +147,8 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             # per transformer layer: two sums in F (attention and MLP outputs; Mixtral's experts
             # stay replicated: one), as many in I (their inputs' gradients), none in W
             # (a stage cut inside a layer puts a column's input gradient and the row's sum on two stages)
-            assert sum(c["F"] for c in programs.values()) == REDUCES[name], programs
-            assert sum(c["I"] for c in programs.values()) == REDUCES[name], programs
+            assert sum(c["F"] for c in programs.values()) == REDUCES[name][0], programs
+            assert sum(c["I"] for c in programs.values()) == REDUCES[name][1], programs
             assert all(c["W"] == 0 for c in programs.values()), programs
         except Exception as e:  # noqa: BLE001
             failures.append(f"{label}: {e}")
