@@ -162,10 +162,12 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         t0 = time.perf_counter()
         # CP is searched where the context-parallel pass can rewrite the model (the planner asks
         # it per degree); EP for every model with MoE blocks the EP rewrite recognizes
-        # (autopar.nn.MoE, Hugging Face MoE blocks)
+        # (autopar.nn.MoE, Hugging Face MoE blocks); TP not yet (its all-reduces are priced from
+        # the device profile's links, not measured on this machine's gloo): Plan(tp=N) by hand
         blocks = [] if refused_moe_blocks(model) else moe_blocks(model)
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                                memory_limit=limit, allow_cp=True, allow_ep=bool(blocks), precision=precision,
+                                memory_limit=limit, allow_cp=True, allow_ep=bool(blocks), allow_tp=False,
+                                precision=precision,
                                 input_names=input_names,
                                 n_experts=min((n for _f, n in blocks), default=0),
                                 expert_prefixes=tuple(expert_parameters(model)) if blocks else (),

@@ -50,7 +50,7 @@ def run_once(req: dict, cache: str) -> dict:
     if out.returncode != 0:
         raise SystemExit(f"planner_speed: {' '.join(cmd)} failed:\n{out.stderr[-2000:]}")
     d = json.loads(out.stdout)
-    lay = None if not d.get("feasible") else (d["pp"], d["dp"], d["cp"], d["ep"], d["schedule"],
+    lay = None if not d.get("feasible") else (d.get("tp", 1), d["pp"], d["dp"], d["cp"], d["ep"], d["schedule"],
                                               d["num_microbatches"], d["zero"])
     return {"capture_s": 0.0 if d.get("profile_cached") else d["capture_s"],
             "trace_s": 0.0 if d.get("profile_cached") else d["trace_s"], "cached": bool(d.get("profile_cached")),
@@ -73,7 +73,7 @@ def main(argv=None) -> int:
             for run in ("cold", "warm"):
                 r = runs[run] = run_once(req, cache)
                 chosen = "none fits" if r["layout"] is None else (
-                    "pp{} dp{} cp{} ep{} {} m{} ZeRO{}".format(*r["layout"]) + f", {r['step_s']:.4g} s a step")
+                    "tp{} pp{} dp{} cp{} ep{} {} m{} ZeRO{}".format(*r["layout"]) + f", {r['step_s']:.4g} s a step")
                 cap = "cached" if r["cached"] else f"{r['capture_s']:.2f}"
                 print(f"{label:<38} {run:<5} {cap:>8} {r['trace_s']:>7.2f} {r['search_s']:>7.2f} {r['ilp_s']:>6.2f} "
                       f"{r['total_s']:>7.2f}  {chosen}", flush=True)

@@ -15,9 +15,9 @@ from __future__ import annotations
 def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int, global_batch: int, device=None,
                memory_limit: float | None = None, exhaustive: bool = False, schedules=None,
                allow_cp: bool = True, allow_ep: bool = True, zero_levels=(0, 1, 2, 3), progress=None,
-               name: str = "model", layer_repeats=None, expert_prefixes=("expert",), n_heads: int = 0,
-               n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None, precision=None,
-               input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
+               allow_tp: bool = True, name: str = "model", layer_repeats=None, expert_prefixes=("expert",),
+               n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None,
+               precision=None, input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
                hf_config: str | None = None, loss_chunking: bool = True, offloading: bool = True,
                optimizer: str = "adamw", profile_cache: bool = False):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
@@ -76,7 +76,8 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                                          else f"not searched: {why.splitlines()[0][:200]}"))
     req = Request(gpus=gpus, global_batch=global_batch, cp_blocker=blocker,
                   memory_limit=float(memory_limit if memory_limit is not None else device.memory_bytes),
-                  exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, zero_levels=tuple(zero_levels),
+                  exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, allow_tp=allow_tp,
+                  zero_levels=tuple(zero_levels),
                   pin=tuple((pin or {}).items()), loss_chunking=loss_chunking,
                   offloading=offloading, optimizer=optimizer, **kw)
     res = plan(prof, device, req, progress=progress)

@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedules", default=None, help="comma-separated schedules to search (default: all)")
     p.add_argument("--no-cp", action="store_true", help="do not search context parallelism")
     p.add_argument("--no-ep", action="store_true", help="do not search expert parallelism")
+    p.add_argument("--no-tp", action="store_true", help="do not search tensor parallelism")
     p.add_argument("--no-loss-chunk", action="store_true",
                    help="never chunk the cross-entropy (by default it is chunked where memory binds)")
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
@@ -208,7 +209,7 @@ def _run(args, say) -> int:
     t0 = time.perf_counter()
     res, info = plan_model(model, inputs, target, loss_fn, gpus=args.gpus, global_batch=args.global_batch,
                            device=device, memory_limit=limit, exhaustive=args.all, schedules=schedules,
-                           allow_cp=not args.no_cp, allow_ep=not args.no_ep,
+                           allow_cp=not args.no_cp, allow_ep=not args.no_ep, allow_tp=not args.no_tp,
                            zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
                            offloading=not args.no_offload, optimizer=args.optimizer,

@@ -73,8 +73,24 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
         self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
         self._chunked: Evaluator | None = None
+        self._tp: dict[int, Evaluator] = {}
+        self.tp = 1  # the tensor-parallel degree its profile is seen at (for_tp)
         self.loss_chunking = loss_chunking
         self.offloading = offloading
+
+    def for_tp(self, tp: int) -> "Evaluator":
+        """The Evaluator of one rank of a tensor-parallel group of ``tp`` (``ModelProfile.at_tp``),
+        on the same device, limit and batch (memoized; itself at tp=1)."""
+        if tp == self.tp:
+            return self
+        assert self.tp == 1, "for_tp of an Evaluator that already prices one tp degree"
+        hit = self._tp.get(tp)
+        if hit is None:
+            hit = self._tp[tp] = Evaluator(self.profile.at_tp(tp), self.device, self.memory_limit, self.global_batch,
+                                           self.bucket_bytes, self.moe_imbalance, loss_chunking=self.loss_chunking,
+                                           offloading=self.offloading, optimizer=self.optimizer)
+            hit.tp = tp
+        return hit
 
     @property
     def chunked(self) -> "Evaluator | None":

@@ -47,6 +47,7 @@ class Layout:
     # share of each stage's saved activations parked on the host between F and I/W: one number
     # for every stage, or a tuple with one per stage (``offload_shares``)
     offload: float | tuple[float, ...] = 0.0
+    tp: int = 1       # tensor-parallel degree, the innermost mesh axis (one node)
 
     def __post_init__(self):
         object.__setattr__(self, "offload", normal_offload(self.offload))
@@ -61,10 +62,11 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
 
     def label(self) -> str:
-        return (f"pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} {self.schedule} v={self.v} "
+        return ((f"tp={self.tp} " if self.tp > 1 else "")
+                + f"pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} {self.schedule} v={self.v} "
                 f"m={self.m} b={self.b} zero={self.zero}"
                 + (f" offload={offload_label(self.offload)}" if self.offload else ""))
 

@@ -158,6 +158,30 @@ def _program(gm: fx.GraphModule) -> Program:
     return Program(tuple(flops), tuple(moved), tuple(dtypes), tuple(views))
 
 
+TP_DEGREES = (2, 4, 8)  # the tensor-parallel degrees the planner searches (within one node)
+
+
+@dataclass(frozen=True)
+class TpShare:
+    """What tensor parallelism at degree ``tp`` shards of one unit (passes/tensor_parallel.analyze
+    on the capture), per captured microbatch: the share of its forward's time in sharded ops
+    (``flops``, by a roofline weight per op, ``_op_weight``; their time divides by tp, in F, I and
+    W alike), the
+    parameter elements and bytes sharded, the share of its forward's value bytes that are sharded
+    (saved activations and working sets shrink by it), and the all-reduces one forward runs
+    (the row linears' sums; the backward runs as many, in I)."""
+
+    tp: int
+    flops: float
+    params: int
+    param_bytes: int
+    activations: float
+    reduces: int
+    reduce_bytes: float
+    attention: bool                 # its attention is sharded by heads (Ulysses' volume per rank / tp)
+    sharded: tuple[tuple[str, int], ...] = ()  # (parameter FQN relative to the unit, shard dim)
+
+
 @dataclass(frozen=True)
 class UnitKind:
     """Costs of one distinct unit graph, per captured microbatch (``ModelProfile.batch0`` samples)."""
@@ -203,6 +227,29 @@ class UnitKind:
     # (key/value heads, k + v bytes) of each grouped-query SDPA: cp beyond its key/value heads
     # sends repeated copies (passes/context_parallel.kv_repeats)
     grouped_kv: tuple[tuple[int, float], ...] = ()
+    tp_shares: tuple[TpShare, ...] = ()  # per searched tp degree; () where nothing shards
+    # under tensor parallelism (``at_tp``): the factor on F/I/W times, and (all-reduces per
+    # forward, their bytes summed, tp); the backward runs as many all-reduces, in I
+    time_scale: float = 1.0
+    tp_comm: tuple[int, float, int] = (0, 0.0, 1)
+
+    def tp_share(self, tp: int) -> "TpShare | None":
+        return next((s for s in self.tp_shares if s.tp == tp), None)
+
+    def at_tp(self, tp: int) -> "UnitKind":
+        """This unit on one rank of a tp group: sharded parameters, activations and FLOPs divided
+        by tp, the all-reduces added (``TpShare``); itself where nothing shards at ``tp``."""
+        sh = self.tp_share(tp)
+        if sh is None:
+            return self
+        keep = 1.0 - sh.activations + sh.activations / tp
+        return replace(self, params=self.params - sh.params + sh.params // tp,
+                       param_bytes=self.param_bytes - sh.param_bytes + sh.param_bytes // tp,
+                       saved_bytes=self.saved_bytes * keep, saved_after_i=self.saved_after_i * keep,
+                       saved_w_only=self.saved_w_only * keep, work_bytes=self.work_bytes * keep,
+                       attention_bytes=self.attention_bytes / tp if sh.attention else self.attention_bytes,
+                       time_scale=1.0 - sh.flops + sh.flops / tp, tp_comm=(sh.reduces, sh.reduce_bytes, tp),
+                       tp_shares=())
 
     def kv_copies_bytes(self, cp: int) -> float:
         """Bytes of the key/value head copies context parallelism at ``cp`` adds (per captured
@@ -235,6 +282,10 @@ class UnitKind:
         152 nodes, F at 1/2/4/8 samples: 6.1/8.5/12.7/24.0 ms, i.e. ~3.5 ms fixed), so scaling
         one point with the microbenchmark's overhead misprices small microbatches by ~2x.
         """
+        f, i, w = self._unscaled_times(device, scale)
+        return f * self.time_scale, i * self.time_scale, w * self.time_scale
+
+    def _unscaled_times(self, device, scale: float) -> tuple[float, float, float]:
         m = self._measurement(device)
         if m is None:
             return self.f.time(device, scale), self.i.time(device, scale), self.w.time(device, scale)
@@ -363,11 +414,36 @@ class ModelProfile:
     shared_params: tuple[tuple[tuple[int, ...], int], ...] = ()
     captured: object = field(default=None, repr=False)
     unit_timer: object = field(default=None, repr=False)  # times the units on this machine (real CPU captures)
+    tp_variants: dict = field(default_factory=dict, repr=False, compare=False)  # tp -> at_tp(tp), memoized
     # the same model with its LM head + cross-entropy chunked (passes/chunked_loss.py) at
     # ``loss_chunk_tokens``: its last unit is the chunked epilogue; None when the loss is of
     # another form (or this is that profile)
     chunked: "ModelProfile | None" = field(default=None, repr=False)
     loss_chunk_tokens: int = 0
+
+    def at_tp(self, tp: int) -> "ModelProfile":
+        """The model as one rank of a tensor-parallel group of ``tp`` sees it: every unit's kind
+        ``UnitKind.at_tp``, its sharded parameters' shapes divided (the ZeRO layouts), the
+        chunked variant likewise (memoized)."""
+        if tp == 1:
+            return self
+        hit = self.tp_variants.get(tp)
+        if hit is None:
+            kinds = {}
+            units = []
+            for u in self.units:
+                k = kinds.setdefault(id(u.kind), u.kind.at_tp(tp))
+                sh = dict(u.kind.tp_share(tp).sharded) if u.kind.tp_share(tp) is not None else {}
+                specs = tuple(_spec_at_tp(p, u.name, sh, tp) for p in u.params)
+                units.append(replace(u, kind=k, params=specs))
+            hit = replace(self, units=units, chunked=self.chunked.at_tp(tp) if self.chunked is not None else None,
+                          tp_variants={})
+            self.tp_variants[tp] = hit
+        return hit
+
+    def shards_at(self, tp: int) -> bool:
+        """Whether tensor parallelism at ``tp`` shards anything of the model."""
+        return any(u.kind.tp_share(tp) is not None for u in self.units)
 
     def retime_units(self, budget_s: float = 0.3) -> list | None:
         """Time every distinct unit's programs again, now (see ``_UnitTimer``); returns the new
@@ -408,6 +484,16 @@ class ModelProfile:
 
     def flops_per_sample(self) -> float:
         return sum(u.kind.f.total_flops + u.kind.i.total_flops + u.kind.w.total_flops for u in self.units) / self.batch0
+
+
+def _spec_at_tp(spec: ParamSpec, unit: str, sharded: dict, tp: int) -> ParamSpec:
+    """A parameter's shape on one tp rank (``sharded``: FQN relative to the unit -> dim)."""
+    dim = sharded.get(spec.fqn[len(unit):] if spec.fqn.startswith(unit + ".") else spec.fqn)
+    if dim is None:
+        return spec
+    shape = list(spec.shape)
+    shape[dim] //= tp
+    return ParamSpec(spec.fqn, tuple(shape))
 
 
 def _param_specs(stage) -> tuple[ParamSpec, ...]:
@@ -870,6 +956,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                                          saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
                                                                                        + routed.row_bytes))
             unit_kinds.append(kinds[sig])
+        unit_kinds = _with_tp_shares(captured, stages, labels, unit_kinds)
         chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
                                                 timer if real else None)
     trace_s = time.perf_counter() - t1
@@ -927,6 +1014,59 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         profile.chunked = replace(profile, units=units[:-1] + [replace(last, kind=chunked_kind)],
                                   loss_chunk_tokens=chunk)
     return profile
+
+
+def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
+    """The unit kinds with what tensor parallelism shards of them at each searched degree
+    (``TpShare``, from the pass's analysis of the whole capture: a region is sharded or not as
+    the runtime would), read off the first unit of each kind."""
+    from autopar.passes.tensor_parallel import analyze
+
+    analyses = {}
+    for tp in TP_DEGREES:
+        an, _ = analyze(captured, tp)
+        sharded = {n.name for n in an.dims} | {n.name for n in an.columns} | {n.name for n in an.rows}
+        dims = {captured.params[lin.weight.name]: lin.out_dim for lin in an.columns.values()}
+        dims.update({captured.params[lin.bias.name]: 0 for lin in an.columns.values() if lin.bias is not None})
+        dims.update({captured.params[lin.weight.name]: lin.in_dim for lin in an.rows.values()})
+        analyses[tp] = (sharded, dims, {n.name for n in an.rows})
+    out, done = list(unit_kinds), {}
+    for k, (st, label, kind) in enumerate(zip(stages, labels, unit_kinds)):
+        if id(kind) not in done:
+            done[id(kind)] = replace(kind, tp_shares=tuple(
+                sh for tp in TP_DEGREES if (sh := _tp_share(st, label, tp, *analyses[tp])) is not None))
+        out[k] = done[id(kind)]
+    return out
+
+
+# the share of a unit's time in its sharded ops weighs each forward op by a roofline at an
+# H100-like balance (compute at 1e15 FLOP/s, memory at 3e12 B/s, the op reading about as many
+# bytes as it writes): element-wise ops that stay replicated (norms, residuals) cost time too
+_TP_FLOP_RATE, _TP_BANDWIDTH = 1e15, 3e12
+
+
+def _op_weight(n: fx.Node) -> float:
+    return max(n.meta.get("autopar_flops", 0) / _TP_FLOP_RATE, 2 * n.meta.get("autopar_bytes", 0) / _TP_BANDWIDTH)
+
+
+def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set) -> TpShare | None:
+    nodes = [n for n in stage.gm.graph.nodes if n.op == "call_function" and not _is_view(n)]
+    total = sum(map(_op_weight, nodes))
+    if not total or not any(n.name in sharded for n in nodes):
+        return None
+    vbytes = sum(n.meta.get("autopar_bytes", 0) for n in nodes) or 1.0
+    vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
+    phs = [n.name for n in stage.gm.graph.nodes if n.op == "placeholder"][:len(stage.params)]
+    mine = [(fqn, vals[ph]) for ph, fqn in zip(phs, stage.params) if fqn in dims]
+    return TpShare(tp=tp, flops=sum(_op_weight(n) for n in nodes if n.name in sharded) / total,
+                   params=sum(v.numel() for _f, v in mine),
+                   param_bytes=sum(v.numel() * v.element_size() for _f, v in mine),
+                   activations=sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in sharded) / vbytes,
+                   reduces=sum(1 for n in nodes if n.name in rows),
+                   reduce_bytes=float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in rows)),
+                   attention=any(_is_attention_fwd(n) and n.name in sharded for n in nodes),
+                   sharded=tuple((fqn[len(label):] if label and fqn.startswith(label + ".") else fqn, dims[fqn])
+                                 for fqn, _v in mine))
 
 
 def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer):

@@ -140,9 +140,9 @@ def store(key: str, profile, verdicts: dict) -> str | None:
     merged = {**(old[1] if old else {}), **verdicts}
     chunked = profile.chunked
     if chunked is not None:
-        chunked = replace(chunked, captured=None, unit_timer=None, chunked=None)
+        chunked = replace(chunked, captured=None, unit_timer=None, chunked=None, tp_variants={})
     entry = {"format": FORMAT, "key": key, "cp_verdicts": merged,
-             "profile": replace(profile, captured=None, unit_timer=None, chunked=chunked)}
+             "profile": replace(profile, captured=None, unit_timer=None, chunked=chunked, tp_variants={})}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"

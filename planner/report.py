@@ -42,7 +42,7 @@ def memory_formula(res: PlanResult, est: Estimate, rank: int) -> sympy.Expr:
     static = sum(v for k, v in row.items() if k not in phase + reduction + ("p2p buffers", "grad outputs"))
     p2p = sympy.Float(row["p2p buffers"] / tokens, 6) * b * s
     pipeline_phase = sympy.Float(sum(row[k] for k in phase) / tokens, 6) * b * s + sympy.Float(row["grad outputs"], 12)
-    ev = res.evaluator
+    ev = res.evaluator.for_tp(lay.tp)
     name, red = ev.reduction_bytes(lay, ev.rank_params(lay, est.partition, est.stage_to_rank, rank))
     peak = pipeline_phase if name not in reduction else sympy.Max(pipeline_phase, sympy.Float(red, 12))
     return sympy.Float(round(static), 12) + p2p + peak
@@ -54,7 +54,7 @@ def _gib(x: float) -> str:
 
 def _layout_dict(c: Candidate) -> dict:
     lay = c.layout
-    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "schedule": lay.schedule,
+    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp, "schedule": lay.schedule,
             "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero,
             "loss_chunk_tokens": c.loss_chunk, "offload": c.offload}
 
@@ -192,7 +192,7 @@ def pin_report(res: PlanResult, c: Candidate) -> list[str]:
     from .estimate import Partition
     from .search import _unit_totals, balanced_partition
 
-    ev, lay = res.evaluator, c.layout
+    ev, lay = res.evaluator.for_tp(c.layout.tp), c.layout
     S = lay.num_stages
     bounds = c.estimate.partition.bounds if c.estimate is not None else \
         balanced_partition(_unit_totals(ev, lay), S)
@@ -251,7 +251,7 @@ def beyond_lines(ev, est: Estimate) -> list[str]:
 def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
     """What the plan does with the LM head + cross-entropy (when the model has one the chunked
     loss can take): chunked or not, and the last unit's working set both ways."""
-    ev = res.evaluator
+    ev = res.evaluator.for_tp(c.layout.tp)
     chunked = ev.profile.chunked
     if chunked is None:
         return []
@@ -299,7 +299,7 @@ def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
 def optimizer_lines(res: PlanResult, c: Candidate) -> list[str]:
     """Muon's part of the plan (``--optimizer muon``): its matrices, the momentum bytes it saves
     against Adam and the Newton-Schulz time, on the rank that steps the most."""
-    ev = res.evaluator
+    ev = res.evaluator.for_tp(c.layout.tp)
     if ev.optimizer != "muon":
         return []
     prof, lay, est = ev.profile, c.layout, c.estimate
@@ -372,7 +372,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     est = c.estimate
     lay = c.layout
     L += ["", "chosen plan",
-          f"  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
+          f"  tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
           *loss_lines(res, c),
           *offload_lines(res, c),
@@ -400,16 +400,16 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
     ooms = sorted((x for x in res.candidates if x.status == "oom"), key=lambda x: x.peak)[:top]
     rej = _distinct_rejections(res, top)
     L += ["", f"alternatives (top {top} feasible, then the closest that do not fit, then rejected layouts)"]
-    L += _table(["pp", "dp", "cp", "ep", "schedule", "m", "b", "zero", "step s", "peak GiB", "why not chosen"],
-                [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.m, x.layout.b,
-                  x.layout.zero, f"{x.time:.4g}" if x.estimate else "-",
+    L += _table(["tp", "pp", "dp", "cp", "ep", "schedule", "m", "b", "zero", "step s", "peak GiB", "why not chosen"],
+                [[x.layout.tp, x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.m,
+                  x.layout.b, x.layout.zero, f"{x.time:.4g}" if x.estimate else "-",
                   _gib(x.peak) if x.peak is not None else "-", _why_lost(x)]
                  for x in alts + ooms + rej])
     if include_all:
         feas = res.feasible()
         L += ["", f"every feasible candidate ({len(feas)})"]
-        L += _table(["pp", "dp", "cp", "ep", "schedule", "v", "m", "b", "zero", "step s", "peak GiB"],
-                    [[x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.v,
+        L += _table(["tp", "pp", "dp", "cp", "ep", "schedule", "v", "m", "b", "zero", "step s", "peak GiB"],
+                    [[x.layout.tp, x.layout.pp, x.layout.dp, x.layout.cp, x.layout.ep, x.layout.schedule, x.layout.v,
                       x.layout.m, x.layout.b, x.layout.zero, f"{x.time:.6g}", _gib(max(x.estimate.peak_memory))]
                      for x in feas])
     return "\n".join(L)

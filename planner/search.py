@@ -39,7 +39,7 @@ from .estimate import (
     runtime_overhead,
 )
 from .ilp import DEFAULT_NODES, ILPResult, solve_partition
-from .profile import ModelProfile
+from .profile import TP_DEGREES, ModelProfile
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ class Request:
     zero_levels: tuple[int, ...] = (0, 1, 2, 3)
     allow_cp: bool = True
     allow_ep: bool = True
+    allow_tp: bool = True               # search tensor parallelism (passes/tensor_parallel.py) within a node
     max_cp: int = 64
     max_microbatches: int = 1024
     exhaustive: bool = False            # simulate every layout that passes the screen (--all)
@@ -80,11 +81,16 @@ class Request:
                              f"expert-parallel rank receives must be >= 1 (1.0 = perfectly balanced routing)")
         object.__setattr__(self, "pin", tuple(sorted(_normalize_pin(dict(self.pin)).items())))
         pin = dict(self.pin)
-        deg = [pin[k] for k in ("pp", "dp", "cp") if k in pin]
-        if len(deg) == 3 and deg[0] * deg[1] * deg[2] != self.gpus:
-            raise ValueError(f"--pin pp={deg[0]} dp={deg[1]} cp={deg[2]}: pp*dp*cp = {deg[0] * deg[1] * deg[2]} "
-                             f"is not the GPU count {self.gpus}")
-        for k in ("pp", "dp", "cp"):
+        if all(k in pin for k in ("pp", "dp", "cp", "tp")) and math.prod(pin[k] for k in ("pp", "dp", "cp", "tp")) \
+                != self.gpus:
+            raise ValueError(f"--pin pp={pin['pp']} dp={pin['dp']} cp={pin['cp']} tp={pin['tp']}: pp*dp*cp*tp = "
+                             f"{pin['pp'] * pin['dp'] * pin['cp'] * pin['tp']} is not the GPU count {self.gpus}")
+        if all(k in pin for k in ("pp", "dp", "cp")) and "tp" not in pin and \
+                self.gpus / (pin["pp"] * pin["dp"] * pin["cp"]) not in (1,) + TP_DEGREES:
+            n = pin["pp"] * pin["dp"] * pin["cp"]
+            raise ValueError(f"--pin pp={pin['pp']} dp={pin['dp']} cp={pin['cp']}: pp*dp*cp = {n} is not the GPU "
+                             f"count {self.gpus} (nor 1/{', 1/'.join(map(str, TP_DEGREES))} of it, with tp the rest)")
+        for k in ("pp", "dp", "cp", "tp"):
             if k in pin and self.gpus % pin[k]:
                 raise ValueError(f"--pin {k}={pin[k]} does not divide the GPU count {self.gpus}")
         if self.gpus < 1:
@@ -96,7 +102,7 @@ class Request:
 
 
 _PIN_ALIASES = {"microbatches": "m", "num_microbatches": "m", "stages_per_rank": "v", "microbatch_size": "b"}
-_PIN_INT = ("pp", "dp", "cp", "ep", "v", "m", "b", "zero")
+_PIN_INT = ("pp", "dp", "cp", "ep", "tp", "v", "m", "b", "zero")
 
 
 def _normalize_pin(pin: dict) -> dict:
@@ -182,7 +188,7 @@ class PlanResult:
 
 def _order(c: Candidate):
     lay = c.layout
-    return (round(c.time, 12), lay.pp, lay.cp, lay.ep, lay.zero, lay.schedule, lay.m)
+    return (round(c.time, 12), lay.pp, lay.cp, lay.ep, lay.tp, lay.zero, lay.schedule, lay.m)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,27 +235,32 @@ def balanced_partition(times: list[float], S: int) -> tuple[int, ...]:
 # search
 
 def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str], None],
-            family: Callable[[int, int, int, int, int], bool] | None = None,
-            pruned: Callable[[list, int], None] | None = None):
-    """Every layout the world size, batch and model allow (violations go to ``reject``).
+            family: Callable[[int, int, int, int, int, int], bool] | None = None,
+            pruned: Callable[[list, int], None] | None = None, max_tp: int = 8):
+    """Every layout the world size, batch and model allow (violations go to ``reject``); tp
+    over the degrees up to ``max_tp`` (the GPUs of a node) where the model has something the
+    tensor-parallel pass shards (``ModelProfile.shards_at``), and cp then divides the heads a
+    tp rank holds.
 
-    ``family(pp, dp, cp, ep, zero)``: False skips every (microbatches, schedule) layout of that
+    ``family(pp, dp, cp, ep, zero, tp)``: False skips every (microbatches, schedule) layout of that
     family without checking them one by one (the search's family memory bound); ``pruned(lay,
     n)`` then gets the family's first layout that passes the schedule constraints (None if none
     does) and ``n``, its (m, schedule) combinations matching the pin (constraints unchecked)."""
     N, U = req.gpus, len(profile.units)
     seq = profile.seq_len or 1
     pin = dict(req.pin)
-    fam_pin = {k: x for k, x in pin.items() if k in ("pp", "dp", "cp", "ep", "zero")}
-    for pp in divisors(N):
+    fam_pin = {k: x for k, x in pin.items() if k in ("pp", "dp", "cp", "ep", "zero", "tp")}
+    tps = [1] + [t for t in TP_DEGREES if req.allow_tp and t <= max_tp and N % t == 0 and profile.shards_at(t)]
+    for tp, pp in ((tp, pp) for tp in tps for pp in divisors(N // tp)):
         if pp > U:
             continue
-        for cp in divisors(N // pp):
+        for cp in divisors(N // (pp * tp)):
             if cp > 1 and (not req.allow_cp or cp > req.max_cp or seq % cp or (
                     req.cp_blocker(cp) is not None if req.cp_blocker is not None
-                    else not profile.n_heads or profile.n_heads % cp)):
+                    else not profile.n_heads or profile.n_heads % cp) or (profile.n_heads % (cp * tp) if tp > 1
+                                                                          else False)):
                 continue
-            dp = N // (pp * cp)
+            dp = N // (pp * cp * tp)
             if req.global_batch % dp:
                 continue
             per_replica = req.global_batch // dp
@@ -261,14 +272,14 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             names = ("1f1b",) if pp == 1 else req.schedules
             for ep in eps:
                 for z in zeros:
-                    fam = {"pp": pp, "dp": dp, "cp": cp, "ep": ep, "zero": z}
+                    fam = {"pp": pp, "dp": dp, "cp": cp, "ep": ep, "zero": z, "tp": tp}
                     if fam_pin and any(fam[k] != x for k, x in fam_pin.items()):
                         continue
-                    if family is not None and not family(pp, dp, cp, ep, z):
+                    if family is not None and not family(pp, dp, cp, ep, z, tp):
                         if pruned is not None:
                             combos = [(m, name) for m in ms for name in names
                                       if _fits_pin(pin, pp, m, per_replica // m, name, U)]
-                            pruned(_first_valid(combos, pp, dp, cp, ep, z, per_replica), len(combos))
+                            pruned(_first_valid(combos, pp, dp, cp, ep, z, per_replica, tp), len(combos))
                         continue
                     for m in ms:
                         b = per_replica // m
@@ -276,13 +287,12 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                             v = 1 if pp == 1 else registry.default_stages_per_rank(name)
                             if pp * v > U:
                                 continue
-                            lay = Layout(pp, dp, cp, ep, name, v, m, b, z)
+                            lay = Layout(pp, dp, cp, ep, name, v, m, b, z, tp=tp)
                             if pin and any(getattr(lay, k) != x for k, x in pin.items()):
                                 continue
-                            try:
-                                registry.check(name, pp, m, v)
-                            except ValueError as e:
-                                reject(lay, str(e))
+                            why = _constraint(name, pp, m, v)
+                            if why is not None:
+                                reject(lay, why)
                                 continue
                             if name == "zb-auto" and pp * m > req.zb_auto_max:
                                 reject(lay, f"zb-auto is searched only where pp*m <= {req.zb_auto_max} (its greedy "
@@ -296,6 +306,17 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                             yield lay
 
 
+@lru_cache(maxsize=None)
+def _constraint(name: str, pp: int, m: int, v: int) -> str | None:
+    """Why the schedule does not take (pp, m, v), or None (registry.check, memoized: the same
+    combinations recur in every (dp, cp, ep, ZeRO, tp) family)."""
+    try:
+        registry.check(name, pp, m, v)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def _fits_pin(pin: dict, pp: int, m: int, b: int, name: str, U: int) -> bool:
     v = 1 if pp == 1 else registry.default_stages_per_rank(name)
     if pp * v > U:
@@ -304,14 +325,12 @@ def _fits_pin(pin: dict, pp: int, m: int, b: int, name: str, U: int) -> bool:
     return all(got[k] == x for k, x in pin.items() if k in got)
 
 
-def _first_valid(combos, pp, dp, cp, ep, z, per_replica) -> Layout | None:
+def _first_valid(combos, pp, dp, cp, ep, z, per_replica, tp: int = 1) -> Layout | None:
     for m, name in combos:
         v = 1 if pp == 1 else registry.default_stages_per_rank(name)
-        try:
-            registry.check(name, pp, m, v)
-        except ValueError:
+        if _constraint(name, pp, m, v) is not None:
             continue
-        return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z)
+        return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z, tp=tp)
     return None
 
 
@@ -332,19 +351,30 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
             rejected_seen.add(key)
             rejected.append(Candidate(lay, "rejected", why))
 
-    # round 1: screen (whole families whose states alone cannot fit first, then layout by layout)
-    screen = _Screen(ev)
+    # round 1: screen (whole families whose states alone cannot fit first, then layout by layout);
+    # one screen per tp degree, over the model as one rank of its tp group sees it
+    screens: dict[int, _Screen] = {}
+
+    def screen(tp: int) -> _Screen:
+        if tp not in screens:
+            screens[tp] = _Screen(ev.for_tp(tp))
+        return screens[tp]
+
     n_family = [0, 0]  # families, layouts
 
     def pruned(lay: Layout | None, n: int) -> None:
         n_family[0] += 1
         n_family[1] += n
         if lay is not None:  # one layout stands for the family (the report, the closest plan)
-            need, why = screen.family_reason(lay.pp, lay.dp, lay.cp, lay.ep, lay.zero, n)
+            need, why = screen(lay.tp).family_reason(lay.pp, lay.dp, lay.cp, lay.ep, lay.zero, n)
             cands.append(Candidate(lay, "rejected", why, screen_need=need))
 
-    for lay in layouts(profile, req, reject, family=screen.family_ok, pruned=pruned):
-        cands.append(screen(lay))
+    def family_ok(pp: int, dp: int, cp: int, ep: int, zero: int, tp: int) -> bool:
+        return screen(tp).family_ok(pp, dp, cp, ep, zero)
+
+    max_tp = min(TP_DEGREES[-1], getattr(device, "gpus_per_node", TP_DEGREES[-1]))
+    for lay in layouts(profile, req, reject, family=family_ok, pruned=pruned, max_tp=max_tp):
+        cands.append(screen(lay.tp)(lay))
     screened = [c for c in cands if c.status != "rejected"]
     tiers = [sum(1 for c in screened if c.screen_tier == t) for t in range(3)]
     n_mem = len(cands) - len(screened) - n_family[0]
@@ -642,6 +672,7 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     where memory does not bind neither is used. The variants do not count against the search's
     budget of simulated actions (counting them stops the search sooner, on layouts it would
     have found faster)."""
+    ev = ev.for_tp(c.layout.tp)
     timed = _simulate_one(ev, c)
     if not _binds(c):
         return timed
@@ -698,7 +729,9 @@ def _binds(c: Candidate) -> bool:
 
 
 def evaluator_of(ev: Evaluator, c: Candidate) -> Evaluator:
-    """The Evaluator that priced ``c`` (the chunked-loss one when ``c.loss_chunk``)."""
+    """The Evaluator that priced ``c``: its tp degree's (``Evaluator.for_tp``), the chunked-loss
+    one when ``c.loss_chunk``."""
+    ev = ev.for_tp(c.layout.tp)
     return ev.chunked if c.loss_chunk else ev
 
 
@@ -827,7 +860,7 @@ def to_plan(res_or_ev, cand: Candidate):
     if any(c is None for c in cuts):
         raise ValueError("this profile's units do not map to graph positions (a preset built at reduced depth); "
                          "plan the full model to run it")
-    return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, schedule=lay.schedule, num_microbatches=lay.m,
+    return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, tp=lay.tp, schedule=lay.schedule, num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
                 moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload)

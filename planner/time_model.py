@@ -63,14 +63,22 @@ class TimeModel:
         return lay.b / self.profile.batch0 / lay.cp
 
     def links(self, lay: Layout):
-        d = self.device
-        return {"cp": comm.group_link(d, lay.cp, 1), "dp": comm.group_link(d, lay.dp * lay.cp, 1),
-                "ep": comm.group_link(d, lay.ep, 1), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp),
-                "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep)}
+        """The link class of each axis's groups: tp is the innermost axis (its ranks adjacent),
+        every other group's members are ``tp`` times further apart than without it."""
+        key = (lay.pp, lay.dp, lay.cp, lay.ep, lay.tp)
+        cache = self.__dict__.setdefault("_links", {})
+        hit = cache.get(key)
+        if hit is None:
+            d, t = self.device, lay.tp
+            hit = cache[key] = {
+                "cp": comm.group_link(d, lay.cp, t), "dp": comm.group_link(d, lay.dp * lay.cp, t),
+                "ep": comm.group_link(d, lay.ep, t), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp * t),
+                "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep * t), "tp": comm.group_link(d, t, 1)}
+        return hit
 
     @staticmethod
     def _time_key(kind: UnitKind, lay: Layout) -> tuple:
-        return id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3
+        return id(kind), lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3, lay.tp
 
     def unit_times(self, kind: UnitKind, lay: Layout) -> tuple[float, float, float]:
         key = self._time_key(kind, lay)
@@ -80,6 +88,12 @@ class TimeModel:
         sc = self.scale(lay)
         f, i, w = kind.times(self.device, sc)
         links = self.links(lay)
+        n_red, red_bytes, tp = kind.tp_comm
+        if tp > 1 and n_red:
+            # passes/tensor_parallel.py: the row linears' sums in F, the column inputs' gradients
+            # in I, each an all-reduce over the tp group the op waits for (no overlap yet)
+            ar = n_red * self.collective("all_reduce", red_bytes / n_red * sc, tp, links["tp"])
+            f, i = f + ar, i + ar
         if lay.cp > 1 and kind.attention_bytes:
             a2a = comm.all_to_all_time((kind.attention_bytes + kind.kv_copies_bytes(lay.cp)) * sc, lay.cp, links["cp"])
             f, i = f + a2a, i + a2a

@@ -668,12 +668,14 @@ def test_parse_pin_and_bad_pins():
     with pytest.raises(ValueError, match="pp=3 does not divide the GPU count 8"):
         Request(gpus=8, global_batch=8, memory_limit=1e9, pin={"pp": 3})
     with pytest.raises(ValueError, match="unknown field"):
-        parse_pin("tp=2")
+        parse_pin("sp=2")
+    with pytest.raises(ValueError, match=r"pp\*dp\*cp\*tp = 16 is not the GPU count 8"):
+        Request(gpus=8, global_batch=8, memory_limit=1e9, pin={"pp": 2, "dp": 2, "cp": 2, "tp": 2})
     with pytest.raises(ValueError, match="expected an integer"):
         parse_pin("pp=two")
     with pytest.raises(ValueError, match="unknown schedule"):
         parse_pin("schedule=nope")
-    assert cli_main(["llama3-8b", "--gpus", "8", "--global-batch", "8", "--pin", "tp=2", "--quiet"]) == 2
+    assert cli_main(["llama3-8b", "--gpus", "8", "--global-batch", "8", "--pin", "sp=2", "--quiet"]) == 2
 
 
 # ------------------------------------------------------------ activation peaks without schedules
@@ -803,7 +805,7 @@ def test_pin_report_when_the_pinned_layout_does_not_fit(gpt_profile):
     from autopar.planner.report import text
 
     res = plan(gpt_profile, get_profile("h100"), Request(gpus=4, global_batch=8, memory_limit=2 * GiB + 2 ** 10,
-                                                         pin={"pp": 2, "zero": 0}))
+                                                         pin={"pp": 2, "zero": 0, "tp": 1}))
     assert res.chosen is None
     out = text(res, {})
     close = res.closest()

@@ -1,0 +1,76 @@
+"""The planner's tensor-parallel axis (issue 38 item 4): what a unit shards at each tp degree
+against hand counts from the preset's config, a tp rank's unit (parameters / tp, the all-reduces
+added), the search over tp, ``--pin tp=``, and the runtime plan it returns."""
+import pytest
+
+from autopar.planner import presets
+from autopar.planner.devices import get_profile
+from autopar.planner.profile import profile_model
+from autopar.planner.search import Request, plan, to_plan
+
+SEQ = 256
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    pm = presets.build_preset("llama3-8b", seq_len=SEQ)
+    return profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                         n_heads=pm.n_heads, seq_len=SEQ)
+
+
+def test_a_layer_shards_its_projections_by_hand_count(llama8b):
+    d, heads, kv, ffn = 4096, 32, 8, 14336  # Llama 3 8B's published config
+    hd = d // heads
+    linears = d * d * 2 + d * kv * hd * 2 + 3 * d * ffn  # q, o; k, v; gate, up, down
+    layer = next(u.kind for u in llama8b.units if u.name.startswith("layers."))
+    assert layer.params == linears + 2 * d  # + the two RMSNorm weights, replicated
+    for tp in (2, 4, 8):
+        sh = layer.tp_share(tp)
+        assert sh is not None and sh.params == linears and sh.param_bytes == 2 * linears  # bf16
+        # two sums per forward (attention out, MLP out), each [1, SEQ, d] in bf16
+        assert sh.reduces == 2 and sh.reduce_bytes == 2 * SEQ * d * 2
+        # by hand at SEQ=256 (the roofline weights of profile._op_weight): the sharded GEMMs 2 * SEQ *
+        # linears FLOPs = 112 us + their element-wise ops ~20 us; the two RMSNorms and residual adds,
+        # replicated, ~12 ops of [SEQ, d] ~37 us: a share of about 0.78
+        assert sh.attention and 0.7 < sh.flops < 0.9
+        one = layer.at_tp(tp)
+        assert one.params == linears // tp + 2 * d
+        assert one.tp_comm == (2, 2 * SEQ * d * 2, tp)
+        assert one.time_scale == pytest.approx(1 - sh.flops + sh.flops / tp)
+        assert one.saved_bytes < layer.saved_bytes and one.out_bytes == layer.out_bytes  # boundaries stay whole
+    # the LM head's logits reach the cross-entropy, which has no rule: the epilogue shards nothing
+    assert llama8b.units[-1].kind.tp_share(2) is None and llama8b.units[0].kind.tp_share(2) is None
+    # a tp rank's ZeRO layout sees the sharded shapes
+    shapes = {p.shape for p in llama8b.at_tp(4).units[1].params}
+    assert (d // 4, d) in shapes and (d, ffn // 4) in shapes and (d, d) not in shapes
+
+
+def test_search_prices_tp_and_the_pin_holds(llama8b):
+    dev = get_profile("h100")
+    kw = dict(gpus=64, global_batch=64, memory_limit=dev.memory_bytes * 0.9)
+    free = plan(llama8b, dev, Request(**kw))
+    assert {c.layout.tp for c in free.candidates} == {1, 2, 4, 8}
+    for tp in (1, 8):  # the search's choice is at least as fast as the best plan at any one tp
+        pinned = plan(llama8b, dev, Request(**kw, pin={"tp": tp}))
+        assert pinned.chosen is not None and pinned.chosen.layout.tp == tp and pinned.chosen.layout.world == 64
+        assert free.chosen.time <= pinned.chosen.time * (1 + 1e-12)
+        assert free.chosen.estimate.mfu >= pinned.chosen.estimate.mfu * (1 - 1e-12)
+    with pytest.raises(ValueError, match="not the GPU count"):
+        Request(**kw, pin={"tp": 8, "pp": 2, "dp": 2, "cp": 1})
+    no_tp = plan(llama8b, dev, Request(**kw, allow_tp=False))
+    assert all(c.layout.tp == 1 for c in no_tp.candidates)
+
+
+def test_the_runtime_plan_carries_tp(gpt_cpu):
+    profile, dev = gpt_cpu
+    res = plan(profile, dev, Request(gpus=4, global_batch=8, memory_limit=2 ** 34, pin={"tp": 2, "pp": 2}))
+    p = to_plan(res, res.chosen)
+    assert (p.tp, p.pp, p.world_size) == (2, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def gpt_cpu():
+    from autopar.examples.gpt import make_gpt
+
+    model, inputs, target, loss = make_gpt(n_layer=4, d_model=32, n_head=2, seq_len=16, batch_size=2)
+    return profile_model(model, inputs, target, loss, name="gpt", n_heads=2), get_profile("h100")
