@@ -425,7 +425,8 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
                       expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
                       grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm,
                       precision=precision, values=values, device=device, options=options,
-                      owner_of=lambda fqn: pipeline.rank is None or pipeline.owner_of.get(fqn) == pipeline.rank)
+                      owner_of=lambda fqn: pipeline.rank is None or pipeline.owner_of.get(fqn) == pipeline.rank,
+                      tp_sharded=owners["tp"].sharded if "tp" in owners else frozenset())
     owners["dp"] = dp
     # what else this process's stages read: parameters without a gradient, buffers (compute dtype)
     held_params, held_buffers = pipeline.held(stages)

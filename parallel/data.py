@@ -88,14 +88,18 @@ class DataParallel(Parallelism):
     def __init__(self, *, zero: int, mesh, model, params: dict[str, torch.nn.Parameter], stage_params: dict[int, tuple],
                  expert_params: frozenset[str] = frozenset(), grad_reduce: str = "bucketed",
                  bucket_bytes: int = 25 * 2**20, timeout=None, comm=None, precision=None, values=None,
-                 device: torch.device | None = None, options: dict[str, dict] | None = None, owner_of=None):
+                 device: torch.device | None = None, options: dict[str, dict] | None = None, owner_of=None,
+                 tp_sharded: frozenset[str] = frozenset()):
         """``params``: canonical FQN -> Parameter (model order; the held ones real, the dict is
         kept current as compute copies replace them); ``stage_params``: this process's stage
         index -> the FQNs its programs compute gradients of; ``precision``: an
         ``autopar.MixedPrecision`` or None; ``values(fqns)``: whole values of parameters that are
         not materialized (ZeRO-3 streamed groups of a meta model); ``options``: FQN -> the options
         of its parameter group (``weight_decay``, ...; default none); ``owner_of(fqn)``: whether
-        this pipeline rank counts a parameter held on several (tied) in the gradient norm."""
+        this pipeline rank counts a parameter held on several (tied) in the gradient norm;
+        ``tp_sharded``: the parameters each tp rank holds a block of (parallel/tensor.py; the
+        others are alike on every tp rank: the gradient norm counts them once)."""
+        self.tp_sharded = tp_sharded
         assert grad_reduce in ("bucketed", "naive") and zero in (0, 1, 2, 3), (grad_reduce, zero)  # api/Plan check
         self.mesh, self.model, self.params, self.timeout, self.grad_reduce = mesh, model, params, timeout, grad_reduce
         self.precision = precision
@@ -319,6 +323,7 @@ class DataParallel(Parallelism):
         after the reduction; with ``max_norm`` every gradient the optimizer reads is scaled as
         ``torch.nn.utils.clip_grad_norm_`` would (by ``max_norm / (norm + 1e-6)`` if below 1)."""
         mesh = self.mesh
+        self._tp_weights = self._tensor_parallel_weights() if mesh is not None and mesh.tp > 1 else {}
         first = mesh is None or mesh.replica == 0          # replicated gradients: count them once
         first_expert = self.expert_replica == 0
         parts, scaled = [], []                              # (tensor, counted here?)
@@ -336,7 +341,9 @@ class DataParallel(Parallelism):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for g, counted in parts:
             if counted:
-                total += g.detach().float().pow(2).sum()
+                sq = g.detach().float().pow(2)
+                w = self._tp_weights.get(id(g))
+                total += (sq * w).sum() if w is not None else sq.sum()
             scaled.append(g)
         if mesh is not None:
             comms.all_reduce_sum(total)  # every rank of the world: pipeline, replicas, experts
@@ -346,6 +353,36 @@ class DataParallel(Parallelism):
             for g in scaled:
                 g.mul_(coef.to(g.dtype))
         return norm
+
+    def _tensor_parallel_weights(self) -> dict:
+        """id(gradient tensor) -> the weight of its squares in the gradient norm under tensor
+        parallelism: 1 for a tp shard's elements (each tp rank holds another block), 1/tp for a
+        parameter alike on every tp rank (the world-wide sum then counts it once); a flat ZeRO
+        shard gets one weight per element, from the parameters its range covers."""
+        tp = self.mesh.tp
+
+        def flat(fqns, offsets, shapes, lo, n, like):
+            w = torch.full((n,), 1.0 / tp, dtype=torch.float32, device=like.device)
+            for f, o, shape in zip(fqns, offsets, shapes):
+                if f in self.tp_sharded:
+                    a, b = max(o, lo), min(o + math.prod(shape), lo + n)
+                    if a < b:
+                        w[a - lo: b - lo] = 1.0
+            return w
+
+        out = {}
+        if self.storage is not None:
+            for g in self.storage.groups:
+                n = g.padded // g.replicas
+                out[id(g.master.grad)] = flat(g.fqns, g.offsets, g.shapes, g.replica * n, n, g.master.grad)
+        elif self.zero == 1 and self.optimizer is not None:
+            for s in self.optimizer.sets:
+                out[id(s.master.grad)] = flat(s.names, s.offsets, s.shapes, s.lo, s.shard, s.master.grad)
+        for f in self.trained:
+            g = self.grads.accumulator(f)
+            if g is not None and id(g) not in out:
+                out[id(g)] = torch.tensor(1.0 if f in self.tp_sharded else 1.0 / tp, device=g.device)
+        return out
 
     # -- state --------------------------------------------------------------------------------
 

@@ -6,7 +6,9 @@ repository's GPT (also under bf16 mixed precision) and Llama; HF Llama built on 
 meta device and read from safetensors. On 4 processes: pp=2 x tp=2 zbv, dp=2 x tp=2 ZeRO-3, cp=2 x tp=2 (heads
 over tp x cp) and Mixtral at dp=2 x ep=2 x tp=2 (attention under tp, experts under ep). Two SGD
 steps against tests/reference.py's eager run (design.md §5: losses to 1e-5, parameters after the
-steps to 1e-5 relative; bf16: 1e-3 on losses, 2e-2 on each tensor, design.md §5's ~2%).
+steps to 1e-5 relative; bf16: 1e-3 on losses, 2e-2 on each tensor, design.md §5's ~2%). The "clip"
+cases clip the global gradient norm (tp=2 alone, ZeRO-1 with cp, ZeRO-3 with dp): each tp shard
+and each replicated parameter counted once, against ``clip_grad_norm_`` on the whole model.
 What the pass did is read off the programs too: per transformer layer the forward holds two
 ``tp_reduce`` (the row linears' sums), I two (the column inputs' gradients) and W none.
 One process group per world size runs every sub-case; a sub-case's exception is reported with
@@ -24,9 +26,11 @@ BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 # safetensors file of the eager model's weights)
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
              ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
-             ("llama", dict(tp=2, meta=True))],
+             ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
-             ("qwen2", dict(dp=2, tp=2, zero=3)), ("llama", dict(cp=2, tp=2)), ("mixtral", dict(dp=2, ep=2, tp=2))]}
+             ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)), ("llama", dict(cp=2, tp=2, zero=1, clip=True)),
+             ("mixtral", dict(dp=2, ep=2, tp=2))]}
+CLIP = 0.05  # max_grad_norm of the "clip" cases: below the gradients' norm, so every step scales them
 
 # the tp all-reduces of a forward and of a backward, by hand: 2 and 2 per layer (llama, qwen2, gpt2:
 # 2 layers; gpt, tiny_llama: 4); MoE layers (mixtral, qwen3_moe: 2 layers) 1 (attention only), and
@@ -75,7 +79,7 @@ def _train_many(rank, world, cases, tmp):
     out = {}
     for key in cases:
         name, plan_kwargs = key[0], dict(key[1])
-        bf16, meta = plan_kwargs.pop("bf16", False), plan_kwargs.pop("meta", False)
+        bf16, meta, clip = plan_kwargs.pop("bf16", False), plan_kwargs.pop("meta", False), plan_kwargs.pop("clip", False)
         t0 = time.perf_counter()
         try:
             case = _case(name)
@@ -91,7 +95,7 @@ def _train_many(rank, world, cases, tmp):
                     model = _case(name).model
             pm = autopar.parallelize(model, case.inputs, loss_fn=case.loss_fn, optimizer=_sgd, weights=weights,
                                      plan=autopar.Plan(**{"num_microbatches": M, **plan_kwargs}),
-                                     example_target=case.target,
+                                     example_target=case.target, max_grad_norm=CLIP if clip else None,
                                      mixed_precision=autopar.MixedPrecision(param_dtype=torch.bfloat16)
                                      if bf16 else None)
             losses = [pm.step(case.inputs, case.target) for _ in range(STEPS)]
@@ -124,9 +128,11 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             whole = sum(p.numel() * p.element_size() for p in case.model.parameters())
             bf16 = plan_kwargs.get("bf16", False)
             ref = eager_mixed_reference if bf16 else eager_reference
+            clip = {"max_grad_norm": CLIP} if plan_kwargs.get("clip") else {}
             ref_losses, ref_state = ref(case.model, case.inputs, case.target, case.loss_fn, _sgd,
                                         dp=plan_kwargs.get("dp", 1),
-                                        num_microbatches=plan_kwargs.get("num_microbatches", M), steps=STEPS)
+                                        num_microbatches=plan_kwargs.get("num_microbatches", M), steps=STEPS,
+                                        **clip)
             for r in range(world):
                 res = per_rank[r][label]
                 assert isinstance(res, dict), f"rank {r} raised:\n{res}"
