@@ -90,6 +90,10 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
                                 precision=mixed_precision, init_fn=init_fn)
+    if plan.tp > 1 and planned_optimizer(optimizer) == "muon":
+        raise ValueError(f"autopar: autopar.Muon under tensor parallelism (plan tp={plan.tp}) is not built yet: its "
+                         "Newton-Schulz step needs each whole matrix, and a tp rank holds a block of it; use tp=1 "
+                         "with Muon, or a torch optimizer (AdamW) under tp")
     inputs, input_names = batches.with_shift_labels(inputs, input_names, model, loss_fn, plan.cp)
     buffers = recompute_buffers(model=model, seed=seed, init_fn=init_fn)
     mesh = make_mesh(plan=plan, timeout=timeout)

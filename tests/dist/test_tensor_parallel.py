@@ -109,6 +109,14 @@ def _train_many(rank, world, cases, tmp):
                          "s": time.perf_counter() - t0}
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
             out[_label(key)] = traceback.format_exc()
+    if world == 2:  # refused before any communication: Muon's Newton-Schulz needs whole matrices
+        case = _case("tiny_llama")
+        try:
+            autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=autopar.Muon(),
+                                plan=autopar.Plan(tp=2, num_microbatches=M), example_target=case.target)
+            out["muon"] = "accepted"
+        except ValueError as e:
+            out["muon"] = str(e)
     torch.distributed.barrier()
     return out
 
@@ -158,4 +166,6 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             assert all(c["W"] == 0 for c in programs.values()), programs
         except Exception as e:  # noqa: BLE001
             failures.append(f"{label}: {e}")
+    if world == 2:
+        assert all("Muon under tensor parallelism" in per_rank[r]["muon"] for r in range(world)), per_rank[0]["muon"]
     assert not failures, "\n\n".join(failures)
