@@ -16,7 +16,7 @@ import logging
 
 import torch
 
-from autopar.passes.tensor_parallel import apply_tensor_parallel
+from autopar.passes.tensor_parallel import apply_tensor_parallel, tp_plan_disagreements
 from autopar.runtime import comms
 
 from .base import Parallelism
@@ -30,10 +30,15 @@ class TensorParallel(Parallelism):
     def __init__(self, *, tp: int, mesh, model):
         self.tp, self.mesh, self.model = tp, mesh, model
         self.shards: dict = {}  # fqn -> passes.tensor_parallel.TpShard
+        self.hints: list[str] = []  # where a Hugging Face tp_plan and the graph disagree
 
     def rewrite_capture(self, captured):
         res = apply_tensor_parallel(captured, self.tp, self.mesh.tp_rank, self.mesh.tp_group)
         self.shards, self.result = res.shards, res
+        # a Hugging Face model's own plan, compared (never followed): pm.built.parallelisms["tp"].hints
+        self.hints = tp_plan_disagreements(self.model, captured, res)
+        for line in self.hints:
+            log.info("autopar: tensor parallel: %s", line)
         self.sharded = frozenset(res.shards)
         named = dict(self.model.named_parameters())
         local = {}

@@ -454,6 +454,40 @@ def analyze(captured: CapturedGraph, tp: int):
         off |= cols
 
 
+def tp_plan_disagreements(model, captured: CapturedGraph, result: "TensorParallelResult") -> list[str]:
+    """Where a Hugging Face model's own tensor-parallel plan (``model._tp_plan``, full module
+    paths with ``*`` for indices; else ``config.base_model_tp_plan`` under the base model's
+    prefix) and what the graph proved differ: one line per module, HF's style beside the pass's
+    choice. A hint only: the pass never follows it (what it shards is proved exact)."""
+    import fnmatch
+
+    plan = dict(getattr(model, "_tp_plan", None) or {})
+    config = getattr(model, "config", None)
+    if not plan and getattr(config, "base_model_tp_plan", None):
+        prefix = getattr(model, "base_model_prefix", "")
+        plan = {(f"{prefix}.{k}" if prefix and hasattr(model, prefix) else k): v
+                for k, v in config.base_model_tp_plan.items()}
+    if not plan:
+        return []
+    nodes = {n.name: n for n in captured.gm.graph.nodes}
+    ours = {}
+    for names, role in ((result.columns, "column-parallel"), (result.rows, "row-parallel")):
+        for name in names:
+            lin = _linear(nodes[name], captured.params)
+            ours[captured.params[lin.weight.name].rsplit(".", 1)[0]] = role
+    out = []
+    for path, _module in model.named_modules():
+        style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(path, k)), None)
+        if style is None:
+            continue
+        theirs = ("column-parallel" if style.startswith("colwise") else "row-parallel" if style.startswith("rowwise")
+                  else "vocabulary-parallel" if style.startswith("embedding") else None)
+        mine = ours.get(path, "replicated")
+        if theirs is not None and theirs != mine:
+            out.append(f"{path}: Hugging Face's tp_plan says {style!r} ({theirs}); the graph keeps it {mine}")
+    return out
+
+
 # -- the rewrite ----------------------------------------------------------------------------------------------------
 
 
