@@ -17,7 +17,10 @@ its flat row-major elements, and each parallelism owner says which flat ranges t
 holds (``local_shards``, parallel/base.Shard): DataParallel its fp32 masters and ZeRO-1/2/3
 shards (and the tensor the optimizer steps, whose per-element state has the same layout),
 ExpertParallel where its expert rows lie in the whole tensor, PipelineParallel which pipeline
-rank holds the primary copy of a tensor several hold (tied weights). A flat range of a
+rank holds the primary copy of a tensor several hold (tied weights). A tensor-parallel block
+(parallel/tensor.py) is mapped in its own coordinates, each box shifted to where the block lies
+in the whole tensor (``TpShard.whole_boxes``: one box per packed part); what every tp rank holds
+alike is written in tp parts, like replicas. A flat range of a
 row-major tensor is at most 2*ndim-1 boxes, each contiguous in memory; each box is one DCP
 chunk, a view of the live tensor. Every element is written exactly once (DCP's plan check
 fails the save otherwise): ZeRO shards are disjoint, a range that R replicas hold whole is cut
@@ -121,10 +124,18 @@ class _Piece:
     hi: int
     flat: torch.Tensor
     back: tuple[torch.Tensor, torch.Tensor] | None = None  # (live tensor, the copy ``flat`` views)
+    # a tensor-parallel block (passes/tensor_parallel.TpShard): ``shape``, ``lo`` and ``hi`` are
+    # in the block's coordinates and each box maps to boxes of the whole tensor
+    tp: object = None
+
+    @property
+    def whole_shape(self) -> tuple[int, ...]:
+        return self.shape if self.tp is None else tuple(self.tp.full_shape)
 
     def chunks(self) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]]:
-        return [(off, size, self.flat[first - self.lo: first - self.lo + math.prod(size)].view(size))
-                for off, size, first in boxes(self.shape, self.lo, self.hi)]
+        local = [(off, size, self.flat[first - self.lo: first - self.lo + math.prod(size)].view(size))
+                 for off, size, first in boxes(self.shape, self.lo, self.hi)]
+        return local if self.tp is None else [c for box in local for c in self.tp.whole_boxes(*box)]
 
 
 def _flat(t: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, tuple | None]:
@@ -142,8 +153,9 @@ def _flat(t: torch.Tensor, start: int, n: int) -> tuple[torch.Tensor, tuple | No
 @dataclass
 class _Held:
     fqn: str
-    shard: Shard   # in the whole tensor's coordinates
+    shard: Shard   # in the whole tensor's coordinates (a tp shard: in its block's)
     role: str      # "value" (written), "buffer" (written by replica 0), "mirror" (a copy programs read: loaded)
+    tp: object = None  # the TpShard of a tensor-parallel block
 
 
 def _holdings(built, model) -> list[_Held]:
@@ -178,7 +190,15 @@ def _holdings(built, model) -> list[_Held]:
             out.append(_Held(f, whole(f, Shard(0, t.numel(), tuple(t.shape), t, copies=copies, copy=copy)), "value"))
         else:
             out.append(_Held(f, Shard(0, t.numel(), tuple(t.shape), t), "buffer"))
-    return out
+    tp = built.parallelisms.get("tp")
+    if tp is None:
+        return out
+    # tensor parallelism: a block is this tp rank's alone; anything else every tp rank holds alike,
+    # so each writes its part of it (tp more copies)
+    t, r = mesh.tp, mesh.tp_rank
+    return [replace(h, tp=tp.shards[h.fqn]) if h.fqn in tp.shards
+            else replace(h, shard=replace(h.shard, copies=h.shard.copies * t, copy=h.shard.copy * t + r))
+            for h in out]
 
 
 def _is_elementwise(v, source: torch.Tensor) -> bool:
@@ -192,15 +212,6 @@ def _covers_whole(s: Shard) -> bool:
 # -- save -----------------------------------------------------------------------------------------
 
 
-def _check_tensor_parallel(built, what: str) -> None:
-    """ValueError (before any collective) under tensor parallelism: its row-parallel shards are
-    column blocks, not the flat ranges this format maps; ``pm.state_dict()`` is whole under tp."""
-    if built.plan.tp > 1:
-        raise ValueError(f"autopar: pm.{what}() does not map tensor-parallel shards yet (plan tp={built.plan.tp}); "
-                         "save pm.state_dict() (whole tensors, every rank) with torch.save or safetensors instead, and "
-                         "pass it back with pm.load_state_dict() or parallelize(..., weights=)")
-
-
 def save(pm, path: str) -> None:
     """Write a checkpoint of ``pm`` to directory ``path`` (collective: every rank calls it).
 
@@ -210,7 +221,6 @@ def save(pm, path: str) -> None:
     gathered. A save that does not finish leaves no ``.metadata`` file in ``path``: ``load``
     refuses the directory with a ValueError, and an earlier checkpoint elsewhere is untouched."""
     built = pm.built
-    _check_tensor_parallel(built, "save")
     path = os.fspath(path)
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"autopar: checkpoint path {path} exists and is not a directory")
@@ -229,7 +239,7 @@ def save(pm, path: str) -> None:
                               if k != "params" and k not in LAYOUT_OPTIONS}
         if h.role == "mirror" or not pp.is_owner(h.fqn):
             continue
-        if h.role == "buffer" and mesh is not None and mesh.replica != 0:
+        if h.role == "buffer" and mesh is not None and (mesh.replica != 0 or mesh.tp_rank != 0):
             continue
         n = s.hi - s.lo
         lo, hi = (s.lo, s.hi) if h.role == "buffer" else (s.lo + n * s.copy // s.copies,
@@ -237,14 +247,14 @@ def save(pm, path: str) -> None:
         if lo >= hi:
             continue
         start = s.start + lo - s.lo
-        pieces.append(_Piece(MODEL + h.fqn, s.shape, lo, hi, _flat(s.source, start, hi - lo)[0]))
+        pieces.append(_Piece(MODEL + h.fqn, s.shape, lo, hi, _flat(s.source, start, hi - lo)[0], tp=h.tp))
         state = opt.state.get(s.source, {}) if opt is not None and h.role == "value" else {}
         for name, v in state.items():
             key = f"{STATE}{h.fqn}.{name}"
             if _is_elementwise(v, s.source):
-                pieces.append(_Piece(key, s.shape, lo, hi, _flat(v, start, hi - lo)[0]))
-            elif lo != 0:
-                continue  # a scalar: written by the process that writes element 0
+                pieces.append(_Piece(key, s.shape, lo, hi, _flat(v, start, hi - lo)[0], tp=h.tp))
+            elif lo != 0 or (h.tp is not None and h.tp.rank != 0):
+                continue  # a scalar: written by the process that writes element 0 (of tp block 0)
             elif torch.is_tensor(v) and (v.dim() == 0 or _covers_whole(s)):
                 pieces.append(_Piece(key, tuple(v.shape), 0, max(v.numel(), 1), v.detach().reshape(-1)))
             elif torch.is_tensor(v):
@@ -308,7 +318,7 @@ class _SavePlanner(DefaultSavePlanner):
     def __init__(self, pieces: list[_Piece], blobs: dict[str, object]):
         super().__init__()
         self.chunks = {(p.key, off): t for p in pieces for off, _size, t in p.chunks()}
-        self.shapes = {p.key: p.shape for p in pieces}
+        self.shapes = {p.key: p.whole_shape for p in pieces}
         self.blobs = blobs
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
@@ -359,7 +369,6 @@ def load(pm, path: str) -> None:
     masters, optimizer state, param_groups options, ``pm.step_count``, this rank's RNG states.
     ValueError for a missing or incomplete directory, or one that does not fit the model."""
     built = pm.built
-    _check_tensor_parallel(built, "load")
     path = os.fspath(path)
     md = read_metadata(path)
     mesh = built.mesh
@@ -378,7 +387,7 @@ def load(pm, path: str) -> None:
     for h in holdings:
         s = h.shard
         flat, back = _flat(s.source, s.start, s.hi - s.lo)
-        pieces.append(_Piece(MODEL + h.fqn, s.shape, s.lo, s.hi, flat, back))
+        pieces.append(_Piece(MODEL + h.fqn, s.shape, s.lo, s.hi, flat, back, tp=h.tp))
         state = opt.state.get(s.source) if opt is not None and h.role == "value" else None
         if not state:
             continue
@@ -389,7 +398,7 @@ def load(pm, path: str) -> None:
         for name, v in state.items():
             if _is_elementwise(v, s.source):
                 flat, back = _flat(v, s.start, s.hi - s.lo)
-                pieces.append(_Piece(f"{STATE}{h.fqn}.{name}", s.shape, s.lo, s.hi, flat, back))
+                pieces.append(_Piece(f"{STATE}{h.fqn}.{name}", s.shape, s.lo, s.hi, flat, back, tp=h.tp))
             elif owner != h.fqn:
                 continue
             elif torch.is_tensor(v) and (v.dim() == 0 or _covers_whole(s)):
@@ -447,6 +456,8 @@ def _whole_shapes(built, model) -> dict[str, tuple[int, ...]]:
         shapes.update({f: tuple(shape) for g in dp.storage.groups for f, shape in zip(g.fqns, g.shapes)})
     if ep is not None:
         shapes.update({f: tuple(sh.full_shape) for f, sh in ep.shards.items()})
+    if "tp" in built.parallelisms:
+        shapes.update({f: tuple(sh.full_shape) for f, sh in built.parallelisms["tp"].shards.items()})
     return shapes
 
 
@@ -525,7 +536,7 @@ class _LoadPlanner(DefaultLoadPlanner):
         self.shapes: dict[str, tuple[int, ...]] = {}
         for p in pieces:
             self.dests.setdefault(p.key, []).extend(p.chunks())
-            assert self.shapes.setdefault(p.key, p.shape) == p.shape, (p.key, p.shape)
+            assert self.shapes.setdefault(p.key, p.whole_shape) == p.whole_shape, (p.key, p.whole_shape)
         self.blob_keys, self.path, self.blobs = blob_keys, path, {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:

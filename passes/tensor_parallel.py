@@ -123,6 +123,23 @@ class TpShard:
         return torch.cat([whole.narrow(self.dim, a + self.rank * n // self.tp, n // self.tp)
                           for a, n in zip(starts, self.parts)], self.dim)
 
+    def whole_boxes(self, offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
+        """A box of this rank's block (``offsets``, ``sizes`` in the block's coordinates, data
+        ``t``) as boxes of the whole tensor (checkpoints): shifted along ``dim`` to the block's
+        place, cut where a packed weight's parts meet (each part's block lies elsewhere)."""
+        parts = self.parts or (self.full_shape[self.dim],)
+        out, local, whole = [], 0, 0
+        a0, n0 = offsets[self.dim], sizes[self.dim]
+        for size in parts:
+            n = size // self.tp
+            a, b = max(a0, local), min(a0 + n0, local + n)
+            if a < b:
+                off, sz = list(offsets), list(sizes)
+                off[self.dim], sz[self.dim] = whole + self.rank * n + (a - local), b - a
+                out.append((tuple(off), tuple(sz), t.narrow(self.dim, a - a0, b - a)))
+            local, whole = local + n, whole + size
+        return out
+
     def whole(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The whole value from every rank's block, in tp rank order (``local``'s inverse)."""
         if not self.parts:

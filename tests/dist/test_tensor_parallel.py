@@ -169,3 +169,61 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
     if world == 2:
         assert all("Muon under tensor parallelism" in per_rank[r]["muon"] for r in range(world)), per_rank[0]["muon"]
     assert not failures, "\n\n".join(failures)
+
+
+def _adamw(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)  # as tests/dist/test_checkpoint.py
+
+
+# checkpoints: saved under plan A, loaded under plan B, saved again and loaded under A (2 steps,
+# 2 steps, 1 step) against 5 eager AdamW steps; "gpt" has a packed q/k/v weight (parts along dim 0),
+# "gpt2" Conv1D's (parts along dim 1: non-contiguous boxes)
+CKPT_PLANS = (dict(tp=2, num_microbatches=M), dict(pp=2, schedule="1f1b", num_microbatches=M))
+
+
+def _round_trip(rank, world, names, tmp):
+    import traceback
+
+    import autopar
+
+    out = {}
+    for name in names:
+        try:
+            losses = []
+            for k, (plan, steps) in enumerate(((CKPT_PLANS[0], 2), (CKPT_PLANS[1], 2), (CKPT_PLANS[0], 1))):
+                case = _case(name)
+                pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_adamw,
+                                         plan=autopar.Plan(**plan), example_target=case.target)
+                if k:
+                    pm.load(f"{tmp}/{name}{k - 1}")
+                losses += [float(pm.step(case.inputs, case.target)) for _ in range(steps)]
+                pm.save(f"{tmp}/{name}{k}")
+            out[name] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()}}
+        except Exception:  # noqa: BLE001
+            out[name] = traceback.format_exc()
+    return out
+
+
+def test_tensor_parallel_checkpoints_reshard_to_and_from_pipeline(tmp_path):
+    import torch
+
+    from tests.reference import assert_close_state, eager_reference
+
+    names = ("gpt", "gpt2")
+    per_rank = run_shared(_round_trip, 2, names, str(tmp_path), deadline_s=600, reuse=False)
+    failures = []
+    for name in names:
+        try:
+            case = _case(name)
+            ref_losses, ref_state = eager_reference(case.model, case.inputs, case.target, case.loss_fn, _adamw,
+                                                    num_microbatches=M, steps=5)
+            for r in range(2):
+                res = per_rank[r][name]
+                assert isinstance(res, dict), f"rank {r} raised:\n{res}"
+                torch.testing.assert_close(torch.tensor(res["losses"]), torch.stack(ref_losses), rtol=1e-5, atol=0)
+                assert_close_state(res["state"], ref_state)
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"{name}: {e}")
+    assert not failures, "\n\n".join(failures)
