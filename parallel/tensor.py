@@ -16,6 +16,7 @@ import logging
 
 import torch
 
+from autopar.passes.costs import is_random
 from autopar.passes.tensor_parallel import apply_tensor_parallel, tp_plan_disagreements
 from autopar.runtime import comms
 
@@ -40,6 +41,12 @@ class TensorParallel(Parallelism):
         for line in self.hints:
             log.info("autopar: tensor parallel: %s", line)
         self.sharded = frozenset(res.shards)
+        if any(is_random(n) for n in res.captured.gm.graph.nodes):
+            # dropout outside the sharded regions (the pass never shards one) must draw the same
+            # mask on every tp rank: they hold the same activations there
+            comms.share_rng_state(self.mesh.rank - self.mesh.tp_rank, self.mesh.tp_group)
+            log.info("autopar: tensor parallel: the graph draws random numbers (dropout): the tp ranks share tp rank "
+                     "0's random stream")
         named = dict(self.model.named_parameters())
         local = {}
         for f, sh in res.shards.items():

@@ -286,25 +286,24 @@ def _rule(node: fx.Node, dims: dict, tp: int):
     if t == aten.repeat_interleave.self_int:  # block r repeated is block r of the repeat
         return xd
     if t in (aten.slice.Tensor, aten.select.int, aten.narrow.default, aten.index_select.default):
-        dim = _norm(node.args[1] if len(node.args) > 1 else 0, _val(x).dim())
+        dim = _norm(_argument(node, 1, "dim", 0), _val(x).dim())
         if dim == xd:
             raise _NoRule(f"{_op(node)} along the sharded dim")
         return xd - 1 if t == aten.select.int and dim < xd else xd
     if t == aten.cat.default:
         tensors = node.args[0]
         ds = {dims.get(a) for a in tensors}
-        dim = _norm(node.args[1] if len(node.args) > 1 else 0, out.dim())
+        dim = _norm(_argument(node, 1, "dim", 0), out.dim())
         if len(ds) != 1 or None in ds or dim in ds:
             raise _NoRule("a cat of inputs not all sharded along one other dim")
         return ds.pop()
     if t in _SPLITS or t == aten.unbind.int:
-        dim = _norm(node.args[2] if len(node.args) > 2 else 0, _val(x).dim()) if t != aten.unbind.int else \
-            _norm(node.args[1] if len(node.args) > 1 else 0, _val(x).dim())
+        dim = _split_dim(node)
         if dim == xd:
             raise _NoRule(f"{_op(node)} along the sharded dim (a packed weight without a rule)")
         return tuple(xd - 1 if t == aten.unbind.int and dim < xd else xd for _ in out)
     if t in _SOFTMAX:
-        if _norm(node.args[1], out.dim()) == xd:
+        if _norm(_argument(node, 1, "dim", -1), out.dim()) == xd:
             raise _NoRule("softmax over the sharded dim")
         return xd
     if t in _REDUCE:
@@ -334,6 +333,16 @@ def _rule(node: fx.Node, dims: dict, tp: int):
             raise _NoRule("a matmul whose operands are not both sharded along one batch dim")
         return da
     raise _NoRule(f"no rule for {_op(node)}")
+
+
+def _split_dim(node: fx.Node) -> int:
+    """The dim a split/chunk (argument 2) or unbind (argument 1) cuts, positional or keyword."""
+    return _norm(_argument(node, 1 if node.target == aten.unbind.int else 2, "dim", 0), _val(node.args[0]).dim())
+
+
+def _argument(node: fx.Node, i: int, name: str, default):
+    """Argument ``i`` of a call, positional or keyword ``name``, else ``default``."""
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
 def _no(d):
@@ -384,7 +393,7 @@ def _packed_column(node: fx.Node, dims: dict, columns: dict, tp: int):
         return None
     x = node.args[0]
     d = dims.get(x)
-    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0), _val(x).dim())
+    dim = _split_dim(node)
     if d != dim or any(v.shape[dim] % tp for v in _val(node)):
         return None
     width = _val(x).shape[dim]
@@ -577,7 +586,7 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
                 if node.target in _VIEWS or node.target == aten.expand.default:
                     node.args = (node.args[0], _local_shape(node.meta["val"], d, tp), *node.args[2:])
                 elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and \
-                        _norm(node.args[2] if len(node.args) > 2 else 0, node.args[0].meta["val"].dim()) == d[0]:
+                        _split_dim(node) == d[0]:
                     sizes = node.args[1]  # a packed column's split: the local parts
                     node.args = (node.args[0], [n // tp for n in sizes] if isinstance(sizes, (list, tuple))
                                  else sizes // tp, *node.args[2:])

@@ -89,6 +89,20 @@ def broadcast(tensor: torch.Tensor, src: int, group=None):
     return dist.broadcast(tensor, src=src, group=group)
 
 
+def share_rng_state(src: int, group) -> None:
+    """Every member of ``group`` continues the random number stream of global rank ``src``
+    (torch's CPU generator, and the current CUDA device's when CUDA is initialized)."""
+    on_gpu = dist.get_backend(group) == "nccl"
+    states = [(torch.get_rng_state, torch.set_rng_state)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in states:
+        state = get()
+        buf = state.cuda() if on_gpu else state
+        dist.broadcast(buf, src=src, group=group)
+        put(buf.cpu())
+
+
 def new_group(ranks: list[int], timeout: timedelta | None = None):
     return dist.new_group(ranks=ranks, timeout=timeout)
 

@@ -44,6 +44,12 @@ def _case(name):
     from tests.hf_models import make_hf
     from tests.models import make_gpt, make_llama
 
+    if name == "gpt2_dropout":  # residual, MLP and embedding dropout (replicated regions), attention's off
+        case = make_hf("gpt2", seed=3, batch=BATCH, seq=SEQ, use_cache=False)
+        for path, m in case.model.named_modules():
+            if type(m).__name__ == "Dropout" and not path.endswith("attn_dropout"):
+                m.p = 0.1
+        return case
     if name == "gpt":
         return make_gpt(seed=3)
     if name == "tiny_llama":
@@ -109,6 +115,14 @@ def _train_many(rank, world, cases, tmp):
                          "s": time.perf_counter() - t0}
         except Exception:  # noqa: BLE001 - report per sub-case, keep going
             out[_label(key)] = traceback.format_exc()
+    if world == 2:  # dropout in the replicated regions with another seed on each rank: the tp ranks
+        # share tp rank 0's random stream, so their masks (and the replicated values) stay alike
+        case = _case("gpt2_dropout")  # (builds under a fixed seed)
+        torch.manual_seed(1000 + rank)
+        pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=_sgd,
+                                 plan=autopar.Plan(tp=2, num_microbatches=M), example_target=case.target)
+        out["dropout"] = {"losses": [float(pm.step(case.inputs, case.target)) for _ in range(STEPS)],
+                          "state": {k: v.clone() for k, v in pm.state_dict().items()}}
     if world == 2:  # refused before any communication: Muon's Newton-Schulz needs whole matrices
         case = _case("tiny_llama")
         try:
@@ -168,6 +182,8 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             failures.append(f"{label}: {e}")
     if world == 2:
         assert all("Muon under tensor parallelism" in per_rank[r]["muon"] for r in range(world)), per_rank[0]["muon"]
+        a, b = per_rank[0]["dropout"], per_rank[1]["dropout"]
+        assert a["losses"] == b["losses"] and all(torch.equal(a["state"][k], b["state"][k]) for k in a["state"])
     assert not failures, "\n\n".join(failures)
 
 
