@@ -262,6 +262,12 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         return None
     if t in _SAME:
         return xd
+    if t == aten.type_as.default:  # x's values in the other's dtype
+        return _no(None) if xd is None else xd
+    if t in (aten.view_as_complex.default, aten.view_as_real.default):  # RoPE by complex products
+        if t == aten.view_as_complex.default and xd == _val(x).dim() - 1:
+            raise _NoRule("view_as_complex of the sharded (real, imaginary) dim")
+        return xd
     if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t in (aten.where.self,):
         return _broadcast_dim(node, dims, tp)
     if t in _VIEWS:

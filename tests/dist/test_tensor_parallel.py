@@ -1,7 +1,7 @@
 """T1: tensor parallelism (passes/tensor_parallel.py) over gloo, exact against one eager process.
 
-``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2, Mixtral and Qwen3-MoE (attention under
-tp, q/k norms replicated, the MoE replicated) and GPT-2 (``Conv1D``: transposed weights, the packed q/k/v projection) and this
+``Plan(tp=2)`` on 2 processes: Hugging Face Llama, Qwen2, Mixtral, Qwen3-MoE, Gemma 3 and Llama 4
+(attention under tp, q/k norms replicated, routed experts replicated) and GPT-2 (``Conv1D``: transposed weights, the packed q/k/v projection) and this
 repository's GPT (also under bf16 mixed precision) and Llama; HF Llama built on the
 meta device and read from safetensors. On 4 processes: pp=2 x tp=2 zbv, dp=2 x tp=2 ZeRO-3, cp=2 x tp=2 (heads
 over tp x cp) and Mixtral at dp=2 x ep=2 x tp=2 (attention under tp, experts under ep). Two SGD
@@ -25,7 +25,8 @@ BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 # (options: "bf16" mixed precision, "meta" the model built on the meta device and read from a
 # safetensors file of the eager model's weights)
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
-             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
+             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gemma3", dict(tp=2)),
+             ("llama4", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
              ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
              ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)), ("llama", dict(cp=2, tp=2, zero=1, clip=True)),
@@ -37,7 +38,10 @@ CLIP = 0.05  # max_grad_norm of the "clip" cases: below the gradients' norm, so 
 # in Qwen3's backward 2 more per layer: its q and k norms' weights, replicated, read by the
 # head-sharded attention, each rank computing its heads' part of their gradients
 REDUCES = {"llama": (4, 4), "qwen2": (4, 4), "gpt2": (4, 4), "gpt": (8, 8), "tiny_llama": (8, 8),
-           "mixtral": (2, 2), "qwen3_moe": (2, 6)}
+           "mixtral": (2, 2), "qwen3_moe": (2, 6),
+           # Gemma 3: 2 layers, q/k norm weights as Qwen3's; Llama 4: attention (RoPE by complex
+           # products) and the shared expert of its 2 MoE layers, the routed experts replicated
+           "gemma3": (4, 8), "llama4": (4, 4)}
 
 
 def _case(name):
