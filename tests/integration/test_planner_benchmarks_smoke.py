@@ -384,7 +384,7 @@ def test_planner_speed_benchmark_runs(capsys):
     assert mod.main(["--requests", "llama3-8b:8:16:256"]) == 0
     out = capsys.readouterr().out
     rows = re.findall(rf"^llama3-8b 8 GPUs 16x256 h100\s+(cold|warm)\s+({NUM}|cached)\s+({NUM})\s+({NUM})\s+"
-                      rf"({NUM})\s+({NUM})\s+pp\d", out, re.M)
+                      rf"({NUM})\s+({NUM})\s+tp\d+ pp\d", out, re.M)
     assert [r[0] for r in rows] == ["cold", "warm"], out
     assert rows[0][1] != "cached" and rows[1][1] == "cached" and float(rows[1][2]) == 0, out
     for _run_name, capture, traces, search, ilp, total in rows:
