@@ -77,6 +77,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pp", type=int, default=None, help="pipeline ranks (demo default: the planner's choice; with "
                                                      "other plan flags: --nproc / dp, or 2 in local mode)")
     p.add_argument("--dp", type=int, default=None, help="data-parallel replicas (demo default: the planner's; else 1)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default 1; the demo's planner does "
+                                                     "not choose tp)")
     p.add_argument("--schedule", default=None, help="pipeline schedule (demo default: the planner's; else 1f1b; "
                                                     "see autopar schedule --list)")
     p.add_argument("--microbatches", type=int, default=None, help="microbatches per step (default: schedule's choice)")

@@ -49,12 +49,13 @@ def _plan(args, auto: bool = True):
     """The plan the flags fix, or None (the planner decides) when no plan flag is given."""
     import autopar
 
-    flags = (args.pp, args.dp, args.schedule, args.microbatches, args.stages_per_rank)
+    tp = getattr(args, "tp", None)
+    flags = (args.pp, args.dp, tp, args.schedule, args.microbatches, args.stages_per_rank)
     if auto and all(f is None for f in flags):
         return None
-    dp = args.dp or 1
-    pp = args.pp or (max(1, args.nproc // dp) if getattr(args, "nproc", 1) > 1 else 2)
-    return autopar.Plan(pp=pp, dp=dp, schedule=args.schedule or "1f1b", num_microbatches=args.microbatches,
+    dp, tp = args.dp or 1, tp or 1
+    pp = args.pp or (max(1, args.nproc // (dp * tp)) if getattr(args, "nproc", 1) > 1 else 2)
+    return autopar.Plan(pp=pp, dp=dp, tp=tp, schedule=args.schedule or "1f1b", num_microbatches=args.microbatches,
                         stages_per_rank=args.stages_per_rank)
 
 
@@ -153,8 +154,8 @@ def run_demo(args) -> int:
     plan = _plan(args)
     if args.nproc > 1:
         if plan is not None and plan.world_size != args.nproc:
-            raise ValueError(f"--nproc {args.nproc} but the plan needs pp*dp = {plan.pp}*{plan.dp} = {plan.world_size} "
-                             "processes; make them agree")
+            raise ValueError(f"--nproc {args.nproc} but the plan needs pp*dp*tp = {plan.pp}*{plan.dp}*{plan.tp} = "
+                             f"{plan.world_size} processes; make them agree")
         from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
         print(f"autopar demo: launching {args.nproc} gloo processes (torch elastic launcher)")
