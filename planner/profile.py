@@ -159,6 +159,7 @@ def _program(gm: fx.GraphModule) -> Program:
 
 
 TP_DEGREES = (2, 4, 8)  # the tensor-parallel degrees the planner searches (within one node)
+TP_WORTH = 0.25         # the least share of FLOPs or parameters tp must shard to be searched (shards_at)
 
 
 @dataclass(frozen=True)
@@ -442,8 +443,16 @@ class ModelProfile:
         return hit
 
     def shards_at(self, tp: int) -> bool:
-        """Whether tensor parallelism at ``tp`` shards anything of the model."""
-        return any(u.kind.tp_share(tp) is not None for u in self.units)
+        """Whether tensor parallelism at ``tp`` is worth searching: it shards at least
+        ``TP_WORTH`` of the model's forward FLOPs or of its parameters. Below that it can neither
+        speed a step up (a rank still runs the unsharded rest whole: with a share s, tp ranks do
+        at best the work of 1 / (tp (1 - s) + s) of them) nor fit a model that does not fit (a
+        MoE whose experts it leaves to expert parallelism: GLM-5, DeepSeek-V3 shard ~1%)."""
+        flops = sum(u.kind.f.total_flops for u in self.units) or 1.0
+        params = self.total_params or 1
+        time = sum(sh.flops * u.kind.f.total_flops for u in self.units if (sh := u.kind.tp_share(tp)) is not None)
+        held = sum(sh.params for u in self.units if (sh := u.kind.tp_share(tp)) is not None)
+        return time / flops >= TP_WORTH or held / params >= TP_WORTH
 
     def retime_units(self, budget_s: float = 0.3) -> list | None:
         """Time every distinct unit's programs again, now (see ``_UnitTimer``); returns the new

@@ -74,3 +74,20 @@ def gpt_cpu():
 
     model, inputs, target, loss = make_gpt(n_layer=4, d_model=32, n_head=2, seq_len=16, batch_size=2)
     return profile_model(model, inputs, target, loss, name="gpt", n_heads=2), get_profile("h100")
+
+
+def test_tp_is_searched_where_it_shards_a_real_share(llama8b):
+    """A dense decoder: the layers' linears, ~all of its FLOPs and parameters: searched at every
+    degree. Mixtral: tp shards its attention only (the experts are left to expert parallelism),
+    a few percent of its parameters and under a quarter of its FLOPs: tp could neither speed a
+    step up nor fit it, and is not searched (``ModelProfile.shards_at``)."""
+    assert all(llama8b.shards_at(t) for t in (2, 4, 8))
+    pm = presets.build_preset("mixtral-8x7b", seq_len=SEQ)
+    mixtral = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
+                            expert_prefixes=pm.expert_param_prefixes, n_heads=pm.n_heads, n_experts=pm.n_experts,
+                            seq_len=SEQ)
+    layer = next(u.kind for u in mixtral.units if u.name.startswith("layers."))
+    assert layer.tp_share(2) is not None and layer.tp_share(2).params < 0.1 * layer.params  # attention only
+    assert not any(mixtral.shards_at(t) for t in (2, 4, 8))
+    res = plan(mixtral, get_profile("h100"), Request(gpus=64, global_batch=64, memory_limit=2 ** 36))
+    assert {c.layout.tp for c in res.candidates} == {1}
