@@ -392,15 +392,18 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
     source = init if checkpoint is None else CheckpointValues(*checkpoint, init, {f: d for f, (_s, d) in whole.items()})
     rows = {f: sh.rows for f, sh in owners["ep"].shards.items()} if "ep" in owners else {}
     tp = owners.get("tp")
+    tp_rows = {f: r for f, sh in tp.shards.items() if (r := sh.row_ranges()) is not None} if tp is not None else {}
 
     def values(fqns):
         if source is None:
             raise AssertionError("validate() let a meta model through without weights or an init")
         out = {f: buffers[f] for f in fqns if f in buffers}
         fqns = [f for f in fqns if f not in out]
-        for f in fqns:  # an expert shard: read only the rows this rank keeps
+        for f in fqns:  # an expert shard or a tp block of whole rows: read only the rows this rank keeps
             if f in rows and isinstance(source, CheckpointValues) and f in source.source_of:
                 out[f] = source.rows(f, rows[f])
+            elif f in tp_rows and isinstance(source, CheckpointValues) and f in source.source_of:
+                out[f] = torch.cat([source.rows(f, r) for r in tp_rows[f]])
         for f, v in source.get([f for f in fqns if f not in out]).items():
             out[f] = v[rows[f]] if f in rows else tp.local_of(f, v).clone() if tp is not None else v
         return {f: v.to(device) for f, v in out.items()}

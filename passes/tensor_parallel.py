@@ -123,6 +123,18 @@ class TpShard:
         return torch.cat([whole.narrow(self.dim, a + self.rank * n // self.tp, n // self.tp)
                           for a, n in zip(starts, self.parts)], self.dim)
 
+    def row_ranges(self) -> list[slice] | None:
+        """The rows of dim 0 this rank's block is made of, in order (one per packed part), or
+        None when the block is not whole rows (sharded along another dim)."""
+        if self.dim != 0:
+            return None
+        out, start = [], 0
+        for size in self.parts or (self.full_shape[0],):
+            n = size // self.tp
+            out.append(slice(start + self.rank * n, start + (self.rank + 1) * n))
+            start += size
+        return out
+
     def whole_boxes(self, offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
         """A box of this rank's block (``offsets``, ``sizes`` in the block's coordinates, data
         ``t``) as boxes of the whole tensor (checkpoints): shifted along ``dim`` to the block's

@@ -79,6 +79,7 @@ def _label(key) -> str:
 
 
 def _train_many(rank, world, cases, tmp):
+    import math
     import time
     import traceback
 
@@ -114,6 +115,11 @@ def _train_many(rank, world, cases, tmp):
                          "programs": {s: _reduces(p) for s, p in enumerate(pm.built.programs)
                                       if s in pm.built.parallelisms["pp"].my_stages},
                          "sharded": len(tp.shards),
+                         # meta: bytes read from the file, and the bytes of the blocks of whole rows
+                         # (dim 0: read as rows, half of each per rank) and of the other tensors
+                         "read": pm.built.checkpoint.bytes_read if meta else None,
+                         "rows_bytes": sum(4 * math.prod(sh.full_shape) for sh in tp.shards.values() if sh.dim == 0),
+                         "file_bytes": sum(t.numel() * t.element_size() for t in case.model.state_dict().values()),
                          "local_bytes": sum(p.numel() * p.element_size() for p in pm.model.parameters()
                                             if not p.is_meta),
                          "s": time.perf_counter() - t0}
@@ -173,6 +179,8 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
                 else:
                     assert_close_state(res["state"], ref_state)
             res = per_rank[world - 1][label]
+            if plan_kwargs.get("meta"):  # each rank read half of every block of whole rows, the rest whole
+                assert res["read"] == res["file_bytes"] - res["rows_bytes"] // 2, res
             programs = {s: c for r in range(world) for s, c in per_rank[r][label]["programs"].items()}
             print(f"{label}: {res['sharded']} parameters sharded, {programs}, "
                   f"{res['local_bytes'] / whole:.2f} of the bytes, {res['s']:.1f} s")
