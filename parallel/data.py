@@ -100,6 +100,7 @@ class DataParallel(Parallelism):
         ``tp_sharded``: the parameters each tp rank holds a block of (parallel/tensor.py; the
         others are alike on every tp rank: the gradient norm counts them once)."""
         self.tp_sharded = tp_sharded
+        self._tp_flat: dict = {}  # a flat ZeRO shard's key -> its elements' weights in the gradient norm (_tp_weight)
         assert grad_reduce in ("bucketed", "naive") and zero in (0, 1, 2, 3), (grad_reduce, zero)  # api/Plan check
         self.mesh, self.model, self.params, self.timeout, self.grad_reduce = mesh, model, params, timeout, grad_reduce
         self.precision = precision
@@ -323,27 +324,29 @@ class DataParallel(Parallelism):
         after the reduction; with ``max_norm`` every gradient the optimizer reads is scaled as
         ``torch.nn.utils.clip_grad_norm_`` would (by ``max_norm / (norm + 1e-6)`` if below 1)."""
         mesh = self.mesh
-        self._tp_weights = self._tensor_parallel_weights() if mesh is not None and mesh.tp > 1 else {}
         first = mesh is None or mesh.replica == 0          # replicated gradients: count them once
         first_expert = self.expert_replica == 0
-        parts, scaled = [], []                              # (tensor, counted here?)
+        parts, scaled = [], []                              # (tensor, counted here?, weight of its squares)
         plain = [f for f in self.trained if f not in set(self.experts)]
         if self.storage is not None:
-            parts += [(g.master.grad, g.tied is None or self.owns(g.tied)) for g in self.storage.groups]
+            parts += [(g.master.grad, g.tied is None or self.owns(g.tied),
+                       self._tp_weight(("group", g.name), g.master.grad, g.fqns, g.offsets, g.shapes,
+                                       g.replica * (g.padded // g.replicas)))
+                      for g in self.storage.groups]
         elif self.zero == 1 and self.optimizer is not None:
-            parts += [(s.master.grad, len(s.names) != 1 or s.names[0] not in mesh.tied_groups or self.owns(s.names[0]))
-                      for s in self.optimizer.sets]
+            parts += [(s.master.grad, len(s.names) != 1 or s.names[0] not in mesh.tied_groups or self.owns(s.names[0]),
+                       self._tp_weight(("set", k), s.master.grad, s.names, s.offsets, s.shapes, s.lo))
+                      for k, s in enumerate(self.optimizer.sets)]
         else:
-            parts += [(self.grads.accumulator(f), first and self.owns(f)) for f in plain]
-        parts += [(self.grads.accumulator(f), first_expert) for f in self.whole_experts]
-        parts = [(g, counted) for g, counted in parts if g is not None]
+            parts += [(self.grads.accumulator(f), first and self.owns(f), self._tp_weight(f)) for f in plain]
+        parts += [(self.grads.accumulator(f), first_expert, self._tp_weight(f)) for f in self.whole_experts]
+        parts = [p for p in parts if p[0] is not None]
         device = parts[0][0].device if parts else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for g, counted in parts:
+        for g, counted, w in parts:
             if counted:
                 sq = g.detach().float().pow(2)
-                w = self._tp_weights.get(id(g))
-                total += (sq * w).sum() if w is not None else sq.sum()
+                total += sq.sum() if isinstance(w, float) and w == 1.0 else (sq * w).sum()
             scaled.append(g)
         if mesh is not None:
             comms.all_reduce_sum(total)  # every rank of the world: pipeline, replicas, experts
@@ -354,35 +357,26 @@ class DataParallel(Parallelism):
                 g.mul_(coef.to(g.dtype))
         return norm
 
-    def _tensor_parallel_weights(self) -> dict:
-        """id(gradient tensor) -> the weight of its squares in the gradient norm under tensor
-        parallelism: 1 for a tp shard's elements (each tp rank holds another block), 1/tp for a
-        parameter alike on every tp rank (the world-wide sum then counts it once); a flat ZeRO
-        shard gets one weight per element, from the parameters its range covers."""
-        tp = self.mesh.tp
-
-        def flat(fqns, offsets, shapes, lo, n, like):
-            w = torch.full((n,), 1.0 / tp, dtype=torch.float32, device=like.device)
+    def _tp_weight(self, key, flat=None, fqns=(), offsets=(), shapes=(), lo: int = 0):
+        """The weight of a gradient's squares in the norm under tensor parallelism: 1 for a tp
+        shard's elements (each tp rank holds another block), 1/tp for a parameter alike on every
+        tp rank (the world-wide sum then counts it once); 1.0 without tp. ``key`` an FQN, or a
+        flat ZeRO shard's name for ``flat`` (its gradient; its parameters, their offsets and
+        shapes, where the shard starts): one weight per element, built on first use and kept."""
+        tp = self.mesh.tp if self.mesh is not None else 1
+        if tp == 1 or flat is None:
+            return 1.0 if tp == 1 or key in self.tp_sharded else 1.0 / tp
+        w = self._tp_flat.get(key)
+        if w is None:
+            n = flat.numel()
+            w = torch.full((n,), 1.0 / tp, dtype=torch.float32, device=flat.device)
             for f, o, shape in zip(fqns, offsets, shapes):
                 if f in self.tp_sharded:
                     a, b = max(o, lo), min(o + math.prod(shape), lo + n)
                     if a < b:
                         w[a - lo: b - lo] = 1.0
-            return w
-
-        out = {}
-        if self.storage is not None:
-            for g in self.storage.groups:
-                n = g.padded // g.replicas
-                out[id(g.master.grad)] = flat(g.fqns, g.offsets, g.shapes, g.replica * n, n, g.master.grad)
-        elif self.zero == 1 and self.optimizer is not None:
-            for s in self.optimizer.sets:
-                out[id(s.master.grad)] = flat(s.names, s.offsets, s.shapes, s.lo, s.shard, s.master.grad)
-        for f in self.trained:
-            g = self.grads.accumulator(f)
-            if g is not None and id(g) not in out:
-                out[id(g)] = torch.tensor(1.0 if f in self.tp_sharded else 1.0 / tp, device=g.device)
-        return out
+            self._tp_flat[key] = w
+        return w
 
     # -- state --------------------------------------------------------------------------------
 

@@ -37,7 +37,7 @@ class TensorParallel(Parallelism):
         res = apply_tensor_parallel(captured, self.tp, self.mesh.tp_rank, self.mesh.tp_group)
         self.shards, self.result = res.shards, res
         # a Hugging Face model's own plan, compared (never followed): pm.built.parallelisms["tp"].hints
-        self.hints = tp_plan_disagreements(self.model, captured, res)
+        self.hints = tp_plan_disagreements(self.model, res.roles)
         for line in self.hints:
             log.info("autopar: tensor parallel: %s", line)
         self.sharded = frozenset(res.shards)
@@ -92,4 +92,4 @@ class TensorParallel(Parallelism):
             for f, sh in self.shards.items():
                 p = named[f]
                 if not p.is_meta and tuple(p.shape) == sh.local_shape:
-                    p.copy_(self.local_of(f, values[f]) if tuple(values[f].shape) == sh.full_shape else values[f])
+                    p.copy_(values[f])  # state.load_whole_state narrowed them (narrow)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from .captured import CapturedGraph
+from .costs import is_random
 from .provenance import module_path, op_name, source_of
 
 log = logging.getLogger("autopar")
@@ -115,50 +116,42 @@ class TpShard:
         shape[self.dim] = self.size
         return tuple(shape)
 
+    def blocks(self) -> list[tuple[int, int, int]]:
+        """(start in the whole, start in this rank's block, length) along ``dim`` of each of its
+        pieces: one, or one per part of a packed weight (every part's block r, in order)."""
+        out, whole, local = [], 0, 0
+        for size in self.parts or (self.full_shape[self.dim],):
+            n = size // self.tp
+            out.append((whole + self.rank * n, local, n))
+            whole, local = whole + size, local + n
+        return out
+
     def local(self, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of a whole value (of a packed one: its block of each part, in order)."""
-        if not self.parts:
-            return whole.narrow(self.dim, self.rank * self.size, self.size)
-        starts = [sum(self.parts[:i]) for i in range(len(self.parts))]
-        return torch.cat([whole.narrow(self.dim, a + self.rank * n // self.tp, n // self.tp)
-                          for a, n in zip(starts, self.parts)], self.dim)
+        return torch.cat([whole.narrow(self.dim, a, n) for a, _l, n in self.blocks()], self.dim)
 
     def row_ranges(self) -> list[slice] | None:
         """The rows of dim 0 this rank's block is made of, in order (one per packed part), or
         None when the block is not whole rows (sharded along another dim)."""
-        if self.dim != 0:
-            return None
-        out, start = [], 0
-        for size in self.parts or (self.full_shape[0],):
-            n = size // self.tp
-            out.append(slice(start + self.rank * n, start + (self.rank + 1) * n))
-            start += size
-        return out
+        return [slice(a, a + n) for a, _l, n in self.blocks()] if self.dim == 0 else None
 
     def whole_boxes(self, offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
         """A box of this rank's block (``offsets``, ``sizes`` in the block's coordinates, data
         ``t``) as boxes of the whole tensor (checkpoints): shifted along ``dim`` to the block's
         place, cut where a packed weight's parts meet (each part's block lies elsewhere)."""
-        parts = self.parts or (self.full_shape[self.dim],)
-        out, local, whole = [], 0, 0
+        out = []
         a0, n0 = offsets[self.dim], sizes[self.dim]
-        for size in parts:
-            n = size // self.tp
+        for whole, local, n in self.blocks():
             a, b = max(a0, local), min(a0 + n0, local + n)
             if a < b:
                 off, sz = list(offsets), list(sizes)
-                off[self.dim], sz[self.dim] = whole + self.rank * n + (a - local), b - a
+                off[self.dim], sz[self.dim] = whole + (a - local), b - a
                 out.append((tuple(off), tuple(sz), t.narrow(self.dim, a - a0, b - a)))
-            local, whole = local + n, whole + size
         return out
 
     def whole(self, blocks: list[torch.Tensor]) -> torch.Tensor:
         """The whole value from every rank's block, in tp rank order (``local``'s inverse)."""
-        if not self.parts:
-            return torch.cat(blocks, self.dim)
-        starts = [sum(self.parts[:i]) // self.tp for i in range(len(self.parts))]
-        return torch.cat([b.narrow(self.dim, a, n // self.tp) for a, n in zip(starts, self.parts) for b in blocks],
-                         self.dim)
+        return torch.cat([b.narrow(self.dim, local, n) for _a, local, n in self.blocks() for b in blocks], self.dim)
 
 
 @dataclass
@@ -168,6 +161,7 @@ class TensorParallelResult:
     columns: list[str]                  # the sharded linears' node names
     rows: list[str]
     replicated: list[str]               # why each region stayed replicated (one line each)
+    roles: dict[str, str] = field(default_factory=dict)  # module path -> column- / row-parallel
 
 
 # -- the analysis ---------------------------------------------------------------------------------------------------
@@ -185,7 +179,6 @@ _REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.def
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 _MATMUL = {aten.matmul.default, aten.bmm.default}
-_RANDOM = {aten.dropout.default, aten.native_dropout.default, aten.bernoulli.p, aten.rand_like.default}
 
 
 def _val(a):
@@ -268,7 +261,7 @@ def _rule(node: fx.Node, dims: dict, tp: int):
     out = _val(node)
     if t is operator.getitem:
         return xd[node.args[1]] if isinstance(xd, tuple) else _no(xd)
-    if t in _RANDOM:
+    if is_random(node):  # (SDPA with dropout_p > 0 too)
         raise _NoRule("random numbers in a sharded region differ from one process's")
     if t == aten._assert_tensor_metadata.default:
         return None
@@ -334,8 +327,6 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         q, k, v = node.args[:3]
         if not all(dims.get(a) == 1 and _val(a).dim() == 4 for a in (q, k, v)):
             raise _NoRule("attention whose q, k and v are not all sharded along the heads")
-        if node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0):
-            raise _NoRule("attention dropout in a sharded region")
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
         if isinstance(mask, fx.Node) and mask not in dims:
             m = _val(mask)
@@ -430,6 +421,24 @@ class _Analysis:
     rows: dict          # node -> _Linear
     origin: dict        # node -> frozenset of the column nodes its shard came from
 
+    def shards(self, params: dict, tp: int, rank: int) -> dict[str, TpShard]:
+        """FQN -> how rank ``rank`` holds each parameter it shards: a column's weight by its
+        output features (and its bias), a row's by its input features (its bias stays whole)."""
+        out = {}
+        for lins, role in ((self.columns, "out_dim"), (self.rows, "in_dim")):
+            for lin in lins.values():
+                held = [(lin.weight, getattr(lin, role))] + ([(lin.bias, 0)] if lin.bias is not None
+                                                             and role == "out_dim" else [])
+                for ph, dim in held:
+                    out[params[ph.name]] = TpShard(params[ph.name], dim, tuple(_val(ph).shape), tp, rank, lin.parts)
+        return out
+
+    def roles(self, params: dict) -> dict[str, str]:
+        """Module path -> "column-parallel" / "row-parallel" of every sharded linear."""
+        return {params[lin.weight.name].rsplit(".", 1)[0]: role
+                for lins, role in ((self.columns, "column-parallel"), (self.rows, "row-parallel"))
+                for lin in lins.values()}
+
 
 def _analyze(graph: fx.Graph, params: dict, tp: int, off: set):
     """One pass over the graph with the column linears in ``off`` kept replicated: the analysis,
@@ -492,17 +501,17 @@ def analyze(captured: CapturedGraph, tp: int):
         if isinstance(res, _Analysis):
             return res, replicated
         cols, why = res
-        names = sorted({captured.params[c.args[1].name if c.target == aten.linear.default else c.args[-1].name]
-                        .rsplit(".", 1)[0] for c in cols})
+        names = sorted({captured.params[_linear(c, captured.params).weight.name].rsplit(".", 1)[0] for c in cols})
         replicated.append(f"{', '.join(names)} kept replicated: {why}")
         off |= cols
 
 
-def tp_plan_disagreements(model, captured: CapturedGraph, result: "TensorParallelResult") -> list[str]:
+def tp_plan_disagreements(model, roles: dict[str, str]) -> list[str]:
     """Where a Hugging Face model's own tensor-parallel plan (``model._tp_plan``, full module
     paths with ``*`` for indices; else ``config.base_model_tp_plan`` under the base model's
     prefix) and what the graph proved differ: one line per module, HF's style beside the pass's
-    choice. A hint only: the pass never follows it (what it shards is proved exact)."""
+    choice (``roles``: ``TensorParallelResult.roles``). A hint only: the pass never follows it
+    (what it shards is proved exact)."""
     import fnmatch
 
     plan = dict(getattr(model, "_tp_plan", None) or {})
@@ -513,12 +522,6 @@ def tp_plan_disagreements(model, captured: CapturedGraph, result: "TensorParalle
                 for k, v in config.base_model_tp_plan.items()}
     if not plan:
         return []
-    nodes = {n.name: n for n in captured.gm.graph.nodes}
-    ours = {}
-    for names, role in ((result.columns, "column-parallel"), (result.rows, "row-parallel")):
-        for name in names:
-            lin = _linear(nodes[name], captured.params)
-            ours[captured.params[lin.weight.name].rsplit(".", 1)[0]] = role
     out = []
     for path, _module in model.named_modules():
         style = next((v for k, v in plan.items() if fnmatch.fnmatchcase(path, k)), None)
@@ -526,7 +529,7 @@ def tp_plan_disagreements(model, captured: CapturedGraph, result: "TensorParalle
             continue
         theirs = ("column-parallel" if style.startswith("colwise") else "row-parallel" if style.startswith("rowwise")
                   else "vocabulary-parallel" if style.startswith("embedding") else None)
-        mine = ours.get(path, "replicated")
+        mine = roles.get(path, "replicated")
         if theirs is not None and theirs != mine:
             out.append(f"{path}: Hugging Face's tp_plan says {style!r} ({theirs}); the graph keeps it {mine}")
     return out
@@ -550,15 +553,7 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
     an, replicated = analyze(out, tp)
     for line in replicated:
         log.info("autopar: tensor parallel: %s", line)
-    shards: dict[str, TpShard] = {}
-    for lins, role in ((an.columns, "out_dim"), (an.rows, "in_dim")):
-        for lin in lins.values():
-            w = lin.weight
-            shards[captured.params[w.name]] = TpShard(captured.params[w.name], getattr(lin, role),
-                                                      tuple(_val(w).shape), tp, tp_rank, lin.parts)
-            if lin.bias is not None and role == "out_dim":
-                shards[captured.params[lin.bias.name]] = TpShard(captured.params[lin.bias.name], 0,
-                                                                 tuple(_val(lin.bias).shape), tp, tp_rank, lin.parts)
+    shards = an.shards(captured.params, tp, tp_rank)
     fake_mode = detect_fake_mode([n.meta["val"] for n in graph.nodes if n.op == "placeholder"])
     with fake_mode:
         for node in graph.nodes:
@@ -611,7 +606,8 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
                 _refresh(node)
     graph.lint()
     out.gm.recompile()
-    return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated)
+    return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated,
+                                an.roles(captured.params))
 
 
 def _graded(captured: CapturedGraph) -> set:

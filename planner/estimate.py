@@ -74,6 +74,7 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
         self._chunked: Evaluator | None = None
         self._tp: dict[int, Evaluator] = {}
+        self._links: dict = {}  # (pp, dp, cp, ep, tp) -> each axis's link class (TimeModel.links)
         self.tp = 1  # the tensor-parallel degree its profile is seen at (for_tp)
         self.loss_chunking = loss_chunking
         self.offloading = offloading

@@ -1035,9 +1035,7 @@ def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
     for tp in TP_DEGREES:
         an, _ = analyze(captured, tp)
         sharded = {n.name for n in an.dims} | {n.name for n in an.columns} | {n.name for n in an.rows}
-        dims = {captured.params[lin.weight.name]: lin.out_dim for lin in an.columns.values()}
-        dims.update({captured.params[lin.bias.name]: 0 for lin in an.columns.values() if lin.bias is not None})
-        dims.update({captured.params[lin.weight.name]: lin.in_dim for lin in an.rows.values()})
+        dims = {f: sh.dim for f, sh in an.shards(captured.params, tp, 0).items()}
         analyses[tp] = (sharded, dims, {n.name for n in an.rows})
     out, done = list(unit_kinds), {}
     for k, (st, label, kind) in enumerate(zip(stages, labels, unit_kinds)):

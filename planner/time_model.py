@@ -66,11 +66,10 @@ class TimeModel:
         """The link class of each axis's groups: tp is the innermost axis (its ranks adjacent),
         every other group's members are ``tp`` times further apart than without it."""
         key = (lay.pp, lay.dp, lay.cp, lay.ep, lay.tp)
-        cache = self.__dict__.setdefault("_links", {})
-        hit = cache.get(key)
+        hit = self._links.get(key)
         if hit is None:
             d, t = self.device, lay.tp
-            hit = cache[key] = {
+            hit = self._links[key] = {
                 "cp": comm.group_link(d, lay.cp, t), "dp": comm.group_link(d, lay.dp * lay.cp, t),
                 "ep": comm.group_link(d, lay.ep, t), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp * t),
                 "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep * t), "tp": comm.group_link(d, t, 1)}

@@ -120,13 +120,12 @@ def test_hugging_face_tp_plan_is_compared_not_followed():
     """HF Llama's own plan (``_tp_plan``) shards q/k/v/gate/up by columns and o/down by rows, as
     the graph does; it also shards the embedding by vocabulary and the LM head by columns, which
     the pass keeps replicated (the loss has no rule): exactly those two are reported."""
-    from autopar.passes.tensor_parallel import TensorParallelResult, tp_plan_disagreements
+    from autopar.passes.tensor_parallel import tp_plan_disagreements
     from tests.hf_models import make_hf
 
     case = make_hf("llama", batch=2, seq=8, use_cache=False)
     captured = passes.capture(case.model, case.inputs, case.target, case.loss_fn)
-    an, replicated = analyze(captured, 2)
-    res = TensorParallelResult(captured, {}, [n.name for n in an.columns], [n.name for n in an.rows], replicated)
-    lines = tp_plan_disagreements(case.model, captured, res)
+    an, _replicated = analyze(captured, 2)
+    lines = tp_plan_disagreements(case.model, an.roles(captured.params))
     assert sorted(line.split(":")[0] for line in lines) == ["lm_head", "model.embed_tokens"], lines
     assert all("keeps it replicated" in line for line in lines)
