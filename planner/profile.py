@@ -1034,7 +1034,7 @@ def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
     analyses = {}
     for tp in TP_DEGREES:
         an, _ = analyze(captured, tp)
-        sharded = {n.name for n in an.dims} | {n.name for n in an.columns} | {n.name for n in an.rows}
+        sharded = {n.name for n in an.dims} | {n.name for n in an.rows}  # (columns are in dims: their outputs)
         dims = {f: sh.dim for f, sh in an.shards(captured.params, tp, 0).items()}
         analyses[tp] = (sharded, dims, {n.name for n in an.rows})
     out, done = list(unit_kinds), {}
