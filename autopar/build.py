@@ -276,7 +276,7 @@ def rewrite_module(*, model: nn.Module, plan: Plan, mesh, inputs: tuple, target)
     if plan.tp > 1:  # acts on the capture first (rewrite_graph): CP then splits the rank's heads
         from autopar.parallel.tensor import TensorParallel
 
-        owners["tp"] = TensorParallel(tp=plan.tp, mesh=mesh, model=model)
+        owners["tp"] = TensorParallel(tp=plan.tp, mesh=mesh, model=model, sequence_parallel=plan.sequence_parallel)
     if plan.cp > 1:
         from autopar.parallel.context import ContextParallel
 

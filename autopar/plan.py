@@ -31,6 +31,9 @@ class Plan:
     ``tp``: tensor-parallel degree, the innermost mesh axis (one node): the linears the captured
     graph proves shardable are split over ``tp`` ranks, the rest replicated
     (passes/tensor_parallel.py); 1 (the default): off.
+    ``sequence_parallel``: with tp > 1, what tp ranks would hold alike between the sharded
+    linears (residual stream, norms) is cut along the tokens instead, with reduce-scatters and
+    all-gathers in place of the all-reduces (passes/sequence_parallel.py); False (the default): off.
     """
 
     pp: int = 1
@@ -48,12 +51,17 @@ class Plan:
     loss_chunk_tokens: int = 0
     offload: float | tuple[float, ...] = 0.0
     tp: int = 1
+    sequence_parallel: bool = False
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep", "tp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"autopar.Plan: {name} must be a positive int, got {v!r}")
+        if not isinstance(self.sequence_parallel, bool) or self.sequence_parallel and self.tp == 1:
+            raise ValueError(f"autopar.Plan: sequence_parallel={self.sequence_parallel!r} needs tp > 1 (it cuts "
+                             "along the tokens what the tp ranks would otherwise hold alike); set tp, or leave "
+                             "sequence_parallel=False")
         m = self.num_microbatches
         if m is not None and (not isinstance(m, int) or m < 1):
             raise ValueError(f"autopar.Plan: num_microbatches must be a positive int or None, got {m!r}")
@@ -123,7 +131,8 @@ class Plan:
 
     def table(self) -> str:
         rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep)] + (
-            [("tp", self.tp)] if self.tp > 1 else []) + [("schedule", self.schedule),
+            [("tp", self.tp)] if self.tp > 1 else []) + (
+            [("sequence parallel", True)] if self.sequence_parallel else []) + [("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]

@@ -17,6 +17,7 @@ import logging
 import torch
 
 from autopar.passes.costs import is_random
+from autopar.passes.sequence_parallel import apply_sequence_parallel
 from autopar.passes.tensor_parallel import apply_tensor_parallel, tp_plan_disagreements
 from autopar.runtime import comms
 
@@ -28,8 +29,8 @@ log = logging.getLogger("autopar")
 class TensorParallel(Parallelism):
     name = "tp"
 
-    def __init__(self, *, tp: int, mesh, model):
-        self.tp, self.mesh, self.model = tp, mesh, model
+    def __init__(self, *, tp: int, mesh, model, sequence_parallel: bool = False):
+        self.tp, self.mesh, self.model, self.sequence_parallel = tp, mesh, model, sequence_parallel
         self.shards: dict = {}  # fqn -> passes.tensor_parallel.TpShard
         self.hints: list[str] = []  # where a Hugging Face tp_plan and the graph disagree
 
@@ -59,7 +60,14 @@ class TensorParallel(Parallelism):
         log.info("autopar: tensor parallel over %d ranks: %d column and %d row linears sharded (%d parameters), "
                  "%d region(s) kept replicated", self.tp, len(res.columns), len(res.rows), len(res.shards),
                  len(res.replicated))
-        return res.captured
+        if not self.sequence_parallel:
+            return res.captured
+        sp = apply_sequence_parallel(res.captured, self.tp, self.mesh.tp_group)
+        self.sequence = sp
+        log.info("autopar: sequence parallel: %d row sums reduce-scattered and %d column inputs all-gathered along the "
+                 "tokens; %d value(s) gathered whole for replicated readers, %d sum(s) left all-reduces",
+                 sp.scattered, sp.gathered, sp.gathers, sp.kept)
+        return sp.captured
 
     def local_of(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of a whole value (the value itself when ``fqn`` is not sharded)."""

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import keys, moe_dispatch, tensor_parallel
+from . import keys, moe_dispatch, sequence_parallel, tensor_parallel
 from .costs import annotate_costs, graph_flops, is_random, value_bytes
 from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
@@ -130,9 +130,10 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     for n in kept:  # ... but its experts keep only their input rows, and I runs them again
         if n.target is moe_dispatch.FORWARD_OPS[1]:
             n.args = tuple(n.args[:5]) + (True,)
-    # the backward's tensor-parallel all-reduces are computed in I even where no input gradient
+    # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
-    reduces = [n for n in joint.graph.nodes if n.target is tensor_parallel.REDUCE and n not in fwd_set]
+    reduces = [n for n in joint.graph.nodes if (n.target is tensor_parallel.REDUCE or n.target in
+                                                sequence_parallel.COLLECTIVES) and n not in fwd_set]
     gin_anc = _ancestors(gin_nodes + reduces, stop=kept)
     gpar_anc = _ancestors(gpar_nodes, stop=kept)
     f_nodes = fwd_set | kept  # (a kept op's result only the backward reads is taken in F)

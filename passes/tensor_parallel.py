@@ -178,6 +178,7 @@ _SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, 
 _REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
+_NORMS = {aten.layer_norm.default, aten.rms_norm.default}
 _MATMUL = {aten.matmul.default, aten.bmm.default}
 
 
@@ -313,6 +314,10 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         if dim == xd:
             raise _NoRule(f"{_op(node)} along the sharded dim (a packed weight without a rule)")
         return tuple(xd - 1 if t == aten.unbind.int and dim < xd else xd for _ in out)
+    if t in _NORMS:  # layer_norm / rms_norm over the trailing normalized_shape dims
+        if xd >= _val(x).dim() - len(node.args[1]) or any(a in dims for a in _tensor_args(node)[1:]):
+            raise _NoRule(f"{_op(node)} over the sharded dim")
+        return xd
     if t in _SOFTMAX:
         if _norm(_argument(node, 1, "dim", -1), out.dim()) == xd:
             raise _NoRule("softmax over the sharded dim")
@@ -560,12 +565,12 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
             if node.op == "placeholder" and node.name in captured.params and captured.params[node.name] in shards:
                 node.meta["val"] = node.meta["val"].new_empty(shards[captured.params[node.name]].local_shape)
         copies: dict = {}
-        graded = _graded(out)
+        graded_values = graded(out)
 
         def copy_of(x: fx.Node, before: fx.Node) -> fx.Node:
             if x not in copies:  # one copy per value, before its first reader in the tp region
                 with graph.inserting_before(before):
-                    copies[x] = _new(graph, torch.ops.autopar.tp_copy.default, (x, group_name), before)
+                    copies[x] = new_node(graph, torch.ops.autopar.tp_copy.default, (x, group_name), before)
             return copies[x]
 
         for node in list(graph.nodes):
@@ -573,44 +578,48 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
                 # a replicated operand with a gradient (a q/k norm's weight, a learned scale) read
                 # by a sharded op gets only this rank's part of its gradient: tp_copy sums them
                 for a in _tensor_args(node):
-                    if a not in an.dims and a in graded:
+                    if a not in an.dims and a in graded_values:
                         node.replace_input_with(a, copy_of(a, node))
             if node in an.columns:
                 x = an.columns[node].x
                 node.replace_input_with(x, copy_of(x, node))
-                _refresh(node)
+                refresh_val(node)
             elif node in an.rows:
                 lin = an.rows[node]
                 if lin.bias is not None:  # added once, after the sum
                     node.target = aten.linear.default if node.target == aten.linear.default else aten.mm.default
                     node.args, node.kwargs = (lin.x, lin.weight), {}
-                _refresh(node)
+                refresh_val(node)
                 users = list(node.users)
                 with graph.inserting_after(node):
-                    red = _new(graph, torch.ops.autopar.tp_reduce.default, (node, group_name), node)
+                    red = new_node(graph, torch.ops.autopar.tp_reduce.default, (node, group_name), node)
                 last = red
                 if lin.bias is not None:
                     with graph.inserting_after(red):
-                        last = _new(graph, aten.add.Tensor, (red, lin.bias), node)
+                        last = new_node(graph, aten.add.Tensor, (red, lin.bias), node)
                 for u in users:
                     u.replace_input_with(node, last)
             elif node in an.dims:
-                d = an.dims[node]
-                if node.target in _VIEWS or node.target == aten.expand.default:
-                    node.args = (node.args[0], _local_shape(node.meta["val"], d, tp), *node.args[2:])
-                elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and \
-                        _split_dim(node) == d[0]:
-                    sizes = node.args[1]  # a packed column's split: the local parts
-                    node.args = (node.args[0], [n // tp for n in sizes] if isinstance(sizes, (list, tuple))
-                                 else sizes // tp, *node.args[2:])
-                _refresh(node)
+                localize(node, an.dims[node], tp)
     graph.lint()
     out.gm.recompile()
     return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated,
                                 an.roles(captured.params))
 
 
-def _graded(captured: CapturedGraph) -> set:
+def localize(node: fx.Node, d, tp: int) -> None:
+    """A node sharded along ``d`` gets the rank's shapes: a view's or expand's size argument, a
+    packed column's split sizes (the local parts); then its value is computed again."""
+    if node.target in _VIEWS or node.target == aten.expand.default:
+        node.args = (node.args[0], _local_shape(node.meta["val"], d, tp), *node.args[2:])
+    elif node.target in (aten.split.Tensor, aten.split_with_sizes.default) and _split_dim(node) == d[0]:
+        sizes = node.args[1]
+        node.args = (node.args[0], [n // tp for n in sizes] if isinstance(sizes, (list, tuple)) else sizes // tp,
+                     *node.args[2:])
+    refresh_val(node)
+
+
+def graded(captured: CapturedGraph) -> set:
     """The floating values that may carry a gradient: those computed from a parameter or a
     floating model input (a later stage's input is an activation)."""
     out = set()
@@ -624,7 +633,7 @@ def _graded(captured: CapturedGraph) -> set:
     return out
 
 
-def _new(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
+def new_node(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
     node = graph.call_function(target, args, {})
     node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
@@ -633,7 +642,7 @@ def _new(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
     return node
 
 
-def _refresh(node: fx.Node) -> None:
+def refresh_val(node: fx.Node) -> None:
     if node.meta.get("val") is None:
         return
     vals = fx.node.map_arg(node.args, lambda a: a.meta["val"])

@@ -61,11 +61,17 @@ class Layout:
         return self.offload[stage] if isinstance(self.offload, tuple) else self.offload
 
     @property
+    def sequence_parallel(self) -> bool:
+        """tp is priced, and planned, with sequence parallelism (passes/sequence_parallel.py):
+        it moves what all-reduces move and cuts what tp ranks would hold alike."""
+        return self.tp > 1
+
+    @property
     def world(self) -> int:
         return self.pp * self.dp * self.cp * self.tp
 
     def label(self) -> str:
-        return ((f"tp={self.tp} " if self.tp > 1 else "")
+        return ((f"tp={self.tp} sp " if self.tp > 1 else "")
                 + f"pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} {self.schedule} v={self.v} "
                 f"m={self.m} b={self.b} zero={self.zero}"
                 + (f" offload={offload_label(self.offload)}" if self.offload else ""))

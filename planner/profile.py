@@ -51,6 +51,7 @@ import torch.fx as fx
 from autopar.parallel.zero_layout import ParamSpec, ns_flops
 from autopar.passes.context_parallel import grouped_kv_heads, kv_repeats
 from autopar.passes.costs import is_view as _is_view
+from autopar.passes.costs import value_bytes
 from autopar.passes.costs import view_base as _base
 from autopar.runtime import moe_exchange
 
@@ -181,6 +182,15 @@ class TpShare:
     reduce_bytes: float
     attention: bool                 # its attention is sharded by heads (Ulysses' volume per rank / tp)
     sharded: tuple[tuple[str, int], ...] = ()  # (parameter FQN relative to the unit, shard dim)
+    # with sequence parallelism (passes/sequence_parallel.py, which the planner always prices
+    # with tp): the share of the forward's value bytes token-sharded (1/tp each; the column
+    # inputs it all-gathers are kept whole), the row sums reduce-scattered and the column inputs
+    # all-gathered (count, full bytes; the backward runs the reverse collectives, in I), and the
+    # share of the unit's input and output bytes token-sharded (pipeline boundaries)
+    sequence: float = 0.0
+    scatters: tuple[int, float] = (0, 0.0)
+    gathers: tuple[int, float] = (0, 0.0)
+    boundary: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -229,10 +239,12 @@ class UnitKind:
     # sends repeated copies (passes/context_parallel.kv_repeats)
     grouped_kv: tuple[tuple[int, float], ...] = ()
     tp_shares: tuple[TpShare, ...] = ()  # per searched tp degree; () where nothing shards
-    # under tensor parallelism (``at_tp``): the factor on F/I/W times, and (all-reduces per
-    # forward, their bytes summed, tp); the backward runs as many all-reduces, in I
+    # under tensor parallelism (``at_tp``): the factor on F/I/W times, (all-reduces per forward,
+    # their bytes summed, tp) and (reduce-scatters, bytes, all-gathers, bytes) of sequence
+    # parallelism; the backward runs as many of each (the reverse collective), in I
     time_scale: float = 1.0
     tp_comm: tuple[int, float, int] = (0, 0.0, 1)
+    sp_comm: tuple[int, float, int, float] = (0, 0, 0, 0.0)
 
     def tp_share(self, tp: int) -> "TpShare | None":
         return next((s for s in self.tp_shares if s.tp == tp), None)
@@ -243,14 +255,19 @@ class UnitKind:
         sh = self.tp_share(tp)
         if sh is None:
             return self
-        keep = 1.0 - sh.activations + sh.activations / tp
+        cut = sh.activations + sh.sequence
+        keep = 1.0 - cut + cut / tp
+        b_in, b_out = (1.0 - b + b / tp for b in sh.boundary)
+        (n_rs, rs_bytes), (n_ag, ag_bytes) = sh.scatters, sh.gathers
         return replace(self, params=self.params - sh.params + sh.params // tp,
                        param_bytes=self.param_bytes - sh.param_bytes + sh.param_bytes // tp,
                        saved_bytes=self.saved_bytes * keep, saved_after_i=self.saved_after_i * keep,
                        saved_w_only=self.saved_w_only * keep, work_bytes=self.work_bytes * keep,
+                       in_bytes=self.in_bytes * b_in, out_bytes=self.out_bytes * b_out,
                        attention_bytes=self.attention_bytes / tp if sh.attention else self.attention_bytes,
-                       time_scale=1.0 - sh.flops + sh.flops / tp, tp_comm=(sh.reduces, sh.reduce_bytes, tp),
-                       tp_shares=())
+                       time_scale=1.0 - sh.flops + sh.flops / tp,
+                       tp_comm=(sh.reduces - n_rs, sh.reduce_bytes - rs_bytes, tp),
+                       sp_comm=(n_rs, rs_bytes, n_ag, ag_bytes), tp_shares=())
 
     def kv_copies_bytes(self, cp: int) -> float:
         """Bytes of the key/value head copies context parallelism at ``cp`` adds (per captured
@@ -771,7 +788,6 @@ class _UnitTimer:
 def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None,
                routes: dict | None = None) -> UnitKind:
     from autopar.passes import keys
-    from autopar.passes.costs import value_bytes
 
     f_state = {n.name for n, k in zip((n for n in sp.f.gm.graph.nodes if n.op == "placeholder"), sp.f.args)
                if keys.is_state(k)}
@@ -1028,7 +1044,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
 def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
     """The unit kinds with what tensor parallelism shards of them at each searched degree
     (``TpShare``, from the pass's analysis of the whole capture: a region is sharded or not as
-    the runtime would), read off the first unit of each kind."""
+    the runtime would), read off the last unit of each kind."""
     from autopar.passes.tensor_parallel import analyze
 
     analyses = {}
@@ -1036,9 +1052,11 @@ def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
         an, _ = analyze(captured, tp)
         sharded = {n.name for n in an.dims} | {n.name for n in an.rows}  # (columns are in dims: their outputs)
         dims = {f: sh.dim for f, sh in an.shards(captured.params, tp, 0).items()}
-        analyses[tp] = (sharded, dims, {n.name for n in an.rows})
+        analyses[tp] = (sharded, dims, {n.name for n in an.rows}, _sequence_placement(captured, tp))
     out, done = list(unit_kinds), {}
-    for k, (st, label, kind) in enumerate(zip(stages, labels, unit_kinds)):
+    # (the last unit of a kind: the first layer reads the replicated embedding output, which
+    # sequence parallelism cuts only at the layer's first residual add)
+    for k, (st, label, kind) in reversed(list(enumerate(zip(stages, labels, unit_kinds)))):
         if id(kind) not in done:
             done[id(kind)] = replace(kind, tp_shares=tuple(
                 sh for tp in TP_DEGREES if (sh := _tp_share(st, label, tp, *analyses[tp])) is not None))
@@ -1056,7 +1074,19 @@ def _op_weight(n: fx.Node) -> float:
     return max(n.meta.get("autopar_flops", 0) / _TP_FLOP_RATE, 2 * n.meta.get("autopar_bytes", 0) / _TP_BANDWIDTH)
 
 
-def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set) -> TpShare | None:
+def _sequence_placement(captured, tp: int) -> tuple[set, set, set]:
+    """(the token-sharded values, the column inputs all-gathered, the rows whose sums are
+    reduce-scattered) of the capture's nodes under tensor + sequence parallelism at ``tp``: the
+    passes' own analyses, on the tensor-parallel rewrite of a copy (no process group needed)."""
+    from autopar.passes.sequence_parallel import placement
+    from autopar.passes.tensor_parallel import apply_tensor_parallel
+
+    plan = placement(apply_tensor_parallel(captured, tp, 0, "planner").captured.gm.graph, tp)
+    gathered = {c.args[0].name for c in plan.gathered}
+    return ({n.name for n in plan.dims} - gathered, gathered, {n.args[0].name for n in plan.seeds})
+
+
+def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: tuple) -> TpShare | None:
     nodes = [n for n in stage.gm.graph.nodes if n.op == "call_function" and not _is_view(n)]
     total = sum(map(_op_weight, nodes))
     if not total or not any(n.name in sharded for n in nodes):
@@ -1065,6 +1095,13 @@ def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set) -> TpS
     vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
     phs = [n.name for n in stage.gm.graph.nodes if n.op == "placeholder"][:len(stage.params)]
     mine = [(fqn, vals[ph]) for ph, fqn in zip(phs, stage.params) if fqn in dims]
+    tokens, gathered, scattered = seq
+    values = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes}
+
+    def token_share(names) -> float:  # of the bytes of the values ``names``, the token-sharded share
+        held = [(n, value_bytes(values.get(n))) for n in names]
+        return sum(b for n, b in held if n in tokens) / (sum(b for _n, b in held) or 1)
+
     return TpShare(tp=tp, flops=sum(_op_weight(n) for n in nodes if n.name in sharded) / total,
                    params=sum(v.numel() for _f, v in mine),
                    param_bytes=sum(v.numel() * v.element_size() for _f, v in mine),
@@ -1073,7 +1110,13 @@ def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set) -> TpS
                    reduce_bytes=float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in rows)),
                    attention=any(_is_attention_fwd(n) and n.name in sharded for n in nodes),
                    sharded=tuple((fqn[len(label):] if label and fqn.startswith(label + ".") else fqn, dims[fqn])
-                                 for fqn, _v in mine))
+                                 for fqn, _v in mine),
+                   sequence=sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in tokens) / vbytes,
+                   scatters=(sum(1 for n in nodes if n.name in scattered),
+                             float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in scattered))),
+                   gathers=(sum(1 for n in stage.gm.graph.nodes if n.name in gathered),
+                            float(sum(value_bytes(v) for n, v in values.items() if n in gathered))),
+                   boundary=(token_share(stage.inputs), token_share(stage.outputs)))
 
 
 def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer):

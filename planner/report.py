@@ -54,7 +54,8 @@ def _gib(x: float) -> str:
 
 def _layout_dict(c: Candidate) -> dict:
     lay = c.layout
-    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp, "schedule": lay.schedule,
+    return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp,
+            "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule,
             "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero,
             "loss_chunk_tokens": c.loss_chunk, "offload": c.offload}
 

@@ -860,7 +860,9 @@ def to_plan(res_or_ev, cand: Candidate):
     if any(c is None for c in cuts):
         raise ValueError("this profile's units do not map to graph positions (a preset built at reduced depth); "
                          "plan the full model to run it")
-    return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, tp=lay.tp, schedule=lay.schedule, num_microbatches=lay.m,
+    return Plan(pp=lay.pp, dp=lay.dp, cp=lay.cp, ep=lay.ep, tp=lay.tp, sequence_parallel=lay.sequence_parallel,
+                schedule=lay.schedule,
+                num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
                 moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload)

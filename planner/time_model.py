@@ -88,11 +88,16 @@ class TimeModel:
         f, i, w = kind.times(self.device, sc)
         links = self.links(lay)
         n_red, red_bytes, tp = kind.tp_comm
-        if tp > 1 and n_red:
+        if tp > 1:
             # passes/tensor_parallel.py: the row linears' sums in F, the column inputs' gradients
-            # in I, each an all-reduce over the tp group the op waits for (no overlap yet)
-            ar = n_red * self.collective("all_reduce", red_bytes / n_red * sc, tp, links["tp"])
-            f, i = f + ar, i + ar
+            # in I, each an all-reduce over the tp group the op waits for (no overlap yet); with
+            # sequence parallelism (passes/sequence_parallel.py) a reduce-scatter per row sum and
+            # an all-gather per column input in F, the reverse of each in I (ring: the same time)
+            n_rs, rs_bytes, n_ag, ag_bytes = kind.sp_comm
+            t = sum(n * self.collective(op, nbytes / n * sc, tp, links["tp"])
+                    for op, n, nbytes in (("all_reduce", n_red, red_bytes), ("reduce_scatter", n_rs, rs_bytes),
+                                          ("all_gather", n_ag, ag_bytes)) if n)
+            f, i = f + t, i + t
         if lay.cp > 1 and kind.attention_bytes:
             a2a = comm.all_to_all_time((kind.attention_bytes + kind.kv_copies_bytes(lay.cp)) * sc, lay.cp, links["cp"])
             f, i = f + a2a, i + a2a

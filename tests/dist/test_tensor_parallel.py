@@ -10,7 +10,10 @@ steps to 1e-5 relative; bf16: 1e-3 on losses, 2e-2 on each tensor, design.md §5
 cases clip the global gradient norm (tp=2 alone, ZeRO-1 with cp, ZeRO-3 with dp): each tp shard
 and each replicated parameter counted once, against ``clip_grad_norm_`` on the whole model.
 What the pass did is read off the programs too: per transformer layer the forward holds two
-``tp_reduce`` (the row linears' sums), I two (the column inputs' gradients) and W none.
+``tp_reduce`` (the row linears' sums), I two (the column inputs' gradients) and W none. With
+``sequence_parallel=True`` (the repository's Llama with clipping, GPT-2; pp=2 x tp=2 zbv, whose
+stage boundary must carry the residual stream token-sharded; cp=2 x tp=2 ZeRO-1) the
+reduce-scatters, all-gathers and all-reduces of F, I and W are counted against ``SP_REDUCES``.
 One process group per world size runs every sub-case; a sub-case's exception is reported with
 its traceback and the others go on.
 """
@@ -27,9 +30,12 @@ BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
              ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gemma3", dict(tp=2)),
              ("llama4", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
-             ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True))],
+             ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True, sequence_parallel=True)),
+             ("gpt2", dict(tp=2, sequence_parallel=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
-             ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)), ("llama", dict(cp=2, tp=2, zero=1, clip=True)),
+             ("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4, sequence_parallel=True)),
+             ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)),
+             ("llama", dict(cp=2, tp=2, zero=1, clip=True, sequence_parallel=True)),
              ("mixtral", dict(dp=2, ep=2, tp=2))]}
 CLIP = 0.05  # max_grad_norm of the "clip" cases: below the gradients' norm, so every step scales them
 
@@ -42,6 +48,14 @@ REDUCES = {"llama": (4, 4), "qwen2": (4, 4), "gpt2": (4, 4), "gpt": (8, 8), "tin
            # Gemma 3: 2 layers, q/k norm weights as Qwen3's; Llama 4: attention (RoPE by complex
            # products) and the shared expert of its 2 MoE layers, the routed experts replicated
            "gemma3": (4, 8), "llama4": (4, 4)}
+
+# sequence parallelism, per model of L layers (by hand): F reduce-scatters the 2L row sums and
+# all-gathers the 2L column inputs (the embedding output is cut to the rank's tokens where it is
+# made), I runs the backward of each (2L reduce-scatters; 2L + 1 all-gathers: the row sums' and
+# the embedding output's cut); I's all-reduces are the gradients of the replicated parameters read
+# by token-sharded ops: the 2L + 1 norms (RMSNorm's weight; LayerNorm's weight and bias) and
+# GPT-2's 2L row biases
+SP_REDUCES = {"tiny_llama": (4, 4 * 2 + 1), "llama": (2, 2 * 2 + 1), "gpt2": (2, (2 * 2 + 1) * 2 + 2 * 2)}
 
 
 def _case(name):
@@ -67,9 +81,9 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.5)
 
 
-def _reduces(program) -> dict:
-    """How many tp all-reduces each of a stage's programs (F, I, W) holds."""
-    return {kind: sum(n.op == "call_function" and "tp_reduce" in str(n.target)
+def _reduces(program, op: str = "tp_reduce") -> dict:
+    """How many ``autopar::<op>`` collectives each of a stage's programs (F, I, W) holds."""
+    return {kind: sum(n.op == "call_function" and str(n.target).startswith(f"autopar.{op}.")
                       for n in getattr(program, kind.lower()).gm.graph.nodes)
             for kind in ("F", "I", "W")}
 
@@ -114,7 +128,14 @@ def _train_many(rank, world, cases, tmp):
             out[_label(key)] = {"losses": losses, "state": {k: v.clone() for k, v in pm.state_dict().items()},
                          "programs": {s: _reduces(p) for s, p in enumerate(pm.built.programs)
                                       if s in pm.built.parallelisms["pp"].my_stages},
+                         "sp": {op: {s: _reduces(p, op) for s, p in enumerate(pm.built.programs)
+                                     if s in pm.built.parallelisms["pp"].my_stages}
+                                for op in ("sp_reduce_scatter", "sp_all_gather", "sp_gather")},
                          "sharded": len(tp.shards),
+                         # the shapes of what the rank's last stage receives from the one before
+                         "inputs": [tuple(n.meta["val"].shape) for n in pm.built.programs[
+                             pm.built.parallelisms["pp"].my_stages[-1]].stage.gm.graph.nodes if n.op == "placeholder"
+                             and n.name in pm.built.programs[pm.built.parallelisms["pp"].my_stages[-1]].stage.inputs],
                          # meta: bytes read from the file, and the bytes of the blocks of whole rows
                          # (dim 0: read as rows, half of each per rank) and of the other tensors
                          "read": pm.built.checkpoint.bytes_read if meta else None,
@@ -187,6 +208,20 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             # per transformer layer: two sums in F (attention and MLP outputs; Mixtral's experts
             # stay replicated: one), as many in I (their inputs' gradients), none in W
             # (a stage cut inside a layer puts a column's input gradient and the row's sum on two stages)
+            if plan_kwargs.get("sequence_parallel"):
+                layers, reduces = SP_REDUCES[name]
+                sp = {op: {s: c for r in range(world) for s, c in per_rank[r][label]["sp"][op].items()}
+                      for op in ("sp_reduce_scatter", "sp_all_gather")}
+                total = {(op, k): sum(c[k] for c in sp[op].values()) for op in sp for k in "FIW"}
+                assert total == {("sp_reduce_scatter", "F"): 2 * layers, ("sp_reduce_scatter", "I"): 2 * layers,
+                                 ("sp_reduce_scatter", "W"): 0, ("sp_all_gather", "F"): 2 * layers,
+                                 ("sp_all_gather", "I"): 2 * layers + 1, ("sp_all_gather", "W"): 0}, sp
+                assert [sum(c[k] for c in programs.values()) for k in "FIW"] == [0, reduces, 0], programs
+                if plan_kwargs.get("pp"):  # the residual stream crosses the stage boundary token-sharded
+                    mb, hidden = BATCH // plan_kwargs["num_microbatches"], case.model.config.hidden_size
+                    assert (mb, SEQ // 2, hidden) in res["inputs"], res["inputs"]
+
+                continue
             assert sum(c["F"] for c in programs.values()) == REDUCES[name][0], programs
             assert sum(c["I"] for c in programs.values()) == REDUCES[name][1], programs
             assert all(c["W"] == 0 for c in programs.values()), programs

@@ -3,6 +3,7 @@ JSON ``autopar plan --json`` prints, fed back, gives the plan the planner chose.
 import json
 from dataclasses import fields
 
+import pytest
 import torch
 
 import autopar
@@ -10,10 +11,13 @@ import autopar
 
 def test_every_field_round_trips():
     plan = autopar.Plan(pp=2, dp=2, cp=1, ep=1, schedule="zb-h1", num_microbatches=4, stages_per_rank=1,
-                        stage_cuts=(17,), recompute=(1,), zero=2, loss_chunk_tokens=512, offload=(0.5, 0.0))
+                        stage_cuts=(17,), recompute=(1,), zero=2, loss_chunk_tokens=512, offload=(0.5, 0.0), tp=2,
+                        sequence_parallel=True)
     back = autopar.Plan.from_json(plan.to_json())
     assert back == plan
     assert {f.name for f in fields(autopar.Plan)} <= set(json.loads(plan.to_json()))
+    with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
+        autopar.Plan(sequence_parallel=True)
 
 
 def test_the_planners_json_feeds_back():

@@ -33,11 +33,22 @@ def test_a_layer_shards_its_projections_by_hand_count(llama8b):
         # linears FLOPs = 112 us + their element-wise ops ~20 us; the two RMSNorms and residual adds,
         # replicated, ~12 ops of [SEQ, d] ~37 us: a share of about 0.78
         assert sh.attention and 0.7 < sh.flops < 0.9
+        # sequence parallelism: both sums reduce-scattered, both column inputs (the attention's and
+        # the MLP's, after their RMSNorms) all-gathered, each [1, SEQ, d] in bf16; the residual
+        # stream in and out token-sharded; what stays whole is the column inputs, once each
+        assert sh.scatters == (2, 2 * SEQ * d * 2) and sh.gathers == (2, 2 * SEQ * d * 2)
+        # (the layer also receives the RoPE tables, replicated: a few % of its input bytes)
+        assert 0.9 < sh.boundary[0] < 1 and sh.boundary[1] == 1 and 0 < sh.sequence < 1 - sh.activations
         one = layer.at_tp(tp)
         assert one.params == linears // tp + 2 * d
-        assert one.tp_comm == (2, 2 * SEQ * d * 2, tp)
+        assert one.tp_comm == (0, 0, tp) and one.sp_comm == (2, 2 * SEQ * d * 2, 2, 2 * SEQ * d * 2)
         assert one.time_scale == pytest.approx(1 - sh.flops + sh.flops / tp)
-        assert one.saved_bytes < layer.saved_bytes and one.out_bytes == layer.out_bytes  # boundaries stay whole
+        # in: the hidden states [1, SEQ, d] / tp, the RoPE tables whole (what the layer gets beyond its output)
+        rope = layer.in_bytes - SEQ * d * 2
+        assert one.out_bytes == layer.out_bytes / tp == SEQ * d * 2 / tp
+        assert one.in_bytes == pytest.approx(SEQ * d * 2 / tp + rope)
+        cut = sh.activations + sh.sequence
+        assert one.saved_bytes == pytest.approx(layer.saved_bytes * (1 - cut + cut / tp))
     # the LM head's logits reach the cross-entropy, which has no rule: the epilogue shards nothing
     assert llama8b.units[-1].kind.tp_share(2) is None and llama8b.units[0].kind.tp_share(2) is None
     # a tp rank's ZeRO layout sees the sharded shapes

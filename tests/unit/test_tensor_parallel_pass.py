@@ -80,7 +80,7 @@ def test_packed_qkv_split_and_both_mlps_shard():
 @pytest.mark.parametrize("kwargs, tp, kept, why", [
     (dict(heads=3), 2, ["down", "up"], "does not divide"),                 # 3 heads over tp=2
     (dict(packed_view=True), 2, ["down", "up"], "does not divide"),        # [.., 3, H, D]: no rule for the 3
-    (dict(mlp_norm=True), 2, ["out", "qkv"], "no rule for layer_norm"),    # LayerNorm over the FFN width
+    (dict(mlp_norm=True), 2, ["out", "qkv"], "layer_norm over the sharded dim"),  # LayerNorm over the FFN width
     (dict(dropout=0.1), 2, ["out", "qkv"], "random numbers"),              # dropout between up and down
 ])
 def test_replicated_fallbacks_say_why(kwargs, tp, kept, why):
@@ -129,3 +129,47 @@ def test_hugging_face_tp_plan_is_compared_not_followed():
     lines = tp_plan_disagreements(case.model, an.roles(captured.params))
     assert sorted(line.split(":")[0] for line in lines) == ["lm_head", "model.embed_tokens"], lines
     assert all("keeps it replicated" in line for line in lines)
+
+
+def _sequence(model, inputs, target, loss_fn, tp):
+    from autopar.passes.sequence_parallel import placement
+    from autopar.passes.tensor_parallel import apply_tensor_parallel
+
+    captured = passes.capture(model, inputs, target, loss_fn)
+    return placement(apply_tensor_parallel(captured, tp, 0, "g").captured.gm.graph, tp)
+
+
+def test_sequence_parallel_cuts_the_residual_stream_along_the_tokens():
+    """The repository's Llama at tp=2 (by hand: L layers of two row sums, two column inputs):
+    every row sum reduce-scattered, every column input all-gathered, the embedding output cut
+    where it is made, one gather (the final norm's output into the replicated LM head)."""
+    case = make_llama()
+    layers = len(case.model.layers)
+    p = _sequence(case.model, case.inputs, case.target, case.loss_fn, 2)
+    assert (len(p.seeds), len(p.gathered)) == (2 * layers, 2 * layers)
+    assert [x.target for x in p.sources] == [torch.ops.aten.embedding.default]
+    assert [[a.target for a in ins] for ins in p.gathers.values()] == [[torch.ops.aten.mul.Tensor]]  # RMSNorm's
+    assert not p.splits  # (every cut value is cut where it is made)
+
+
+class _Mlp(nn.Module):
+    """x + dropout(down(gelu(up(x)))): one column, one row without bias."""
+
+    def __init__(self, dropout):
+        super().__init__()
+        self.up, self.down, self.drop = nn.Linear(8, 16), nn.Linear(16, 8, bias=False), nn.Dropout(dropout)
+
+    def forward(self, x):
+        return (x + self.drop(self.down(F.gelu(self.up(x))))).sum()
+
+
+@pytest.mark.parametrize("x, dropout, seeds", [
+    (torch.randn(1, 3, 8), 0.0, 0),  # 3 tokens, tp=2: no token dim tp divides: the sum stays an all-reduce
+    (torch.randn(2, 4, 8), 0.1, 0),  # the sum's only reader is dropout (no token rule): kept an all-reduce
+    (torch.randn(2, 4, 8), 0.0, 1),
+])
+def test_sequence_parallel_keeps_all_reduces_where_tokens_do_not_split(x, dropout, seeds):
+    model = _Mlp(dropout)
+    model.train()
+    p = _sequence(model, (x,), None, None, 2)
+    assert len(p.seeds) == seeds and len(p.gathered) == seeds, p
