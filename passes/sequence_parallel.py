@@ -43,7 +43,19 @@ from torch._guards import detect_fake_mode
 from autopar.runtime import comms
 
 from .captured import CapturedGraph
-from .tensor_parallel import REDUCE, _NoRule, _rule, _tensor_args, _val, _where, graded, localize, new_node, refresh_val
+from .tensor_parallel import (
+    REDUCE,
+    _NoRule,
+    _rule,
+    _tensor_args,
+    _val,
+    _where,
+    graded,
+    localize,
+    new_node,
+    refresh_val,
+    replicated_reads,
+)
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -146,29 +158,6 @@ class Placement:
     gathered: set    # column input copies that become all-gathers
 
 
-def _split_inputs(node: fx.Node, dims: dict, tp: int) -> list:
-    """An element-wise op with a token-sharded input: the replicated inputs it reads along the
-    token dim (to cut to the rank's block), or _NoRule."""
-    out = _val(node)
-    target = None
-    for a in _tensor_args(node):
-        if a in dims:
-            d = dims[a] + out.dim() - _val(a).dim()
-            if target not in (None, d) or _val(a).shape[dims[a]] != out.shape[d]:
-                raise _NoRule("token-sharded inputs along different dims, or broadcast along it")
-            target = d
-    cut = []
-    for a in _tensor_args(node):
-        if a not in dims:
-            v = _val(a)
-            i = target - (out.dim() - v.dim())
-            if 0 <= i < v.dim() and v.shape[i] != 1:
-                if v.shape[i] != out.shape[target]:
-                    raise _NoRule("a replicated input broadcast along the token dim")
-                cut.append((a, i))
-    return cut
-
-
 def _place(plan: Placement, node: fx.Node, tp: int) -> None:
     """The placement of one node from its inputs': token-sharded by a rule, or replicated (its
     token-sharded inputs gathered first; a column's input copy becomes an all-gather)."""
@@ -183,7 +172,7 @@ def _place(plan: Placement, node: fx.Node, tp: int) -> None:
         if node.op == "output":
             raise _NoRule("the graph's output")
         if _elementwise(node):
-            cut = _split_inputs(node, dims, tp)
+            cut = replicated_reads(node, dims)
             d = _rule(node, {**dims, **dict(cut)}, tp)
             if cut:
                 plan.splits[node] = cut

@@ -91,6 +91,79 @@ tp_copy.register_autograd(lambda ctx, grad: (torch.ops.autopar.tp_reduce(grad, c
                           setup_context=_copy_setup)
 
 
+def _vocab_ce(logits: torch.Tensor, target: torch.Tensor, group: str, start: int, ignore_index: int,
+              reduction: int):
+    """(the loss, each row's log-sum-exp) of the cross-entropy of rows whose classes are sharded:
+    this rank holds classes [start, start + V/tp); max, sum of exponentials and the target's logit
+    are reduced over the tp group in fp32, so the logits are never gathered."""
+    pg = dist.distributed_c10d._resolve_process_group(group)
+    x = logits.float()
+    m = x.amax(-1)
+    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+    se = (x - m[:, None]).exp().sum(-1)
+    local = target - start
+    inside = (local >= 0) & (local < x.shape[-1])
+    picked = torch.where(inside, x.gather(-1, local.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(-1), 0.0)
+    both = torch.stack([se, picked])
+    dist.all_reduce(both, group=pg)
+    lse = m + both[0].log()
+    valid = target != ignore_index
+    per = torch.where(valid, lse - both[1], 0.0)
+    loss = per if reduction == 0 else per.sum() if reduction == 2 else per.sum() / valid.sum()
+    return loss.to(logits.dtype), lse
+
+
+@torch.library.custom_op("autopar::vocab_cross_entropy", mutates_args=())
+def vocab_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group: str, start: int, ignore_index: int,
+                        reduction: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``aten.cross_entropy_loss(logits, target, None, reduction, ignore_index)`` with the classes
+    (dim 1 of ``[N, V]``) sharded over tp: (the loss, alike on every rank; each row's log-sum-exp,
+    saved for the backward, which needs no communication)."""
+    return _vocab_ce(logits, target, group, start, ignore_index, reduction)
+
+
+@vocab_cross_entropy.register_fake
+def _(logits, target, group, start, ignore_index, reduction):
+    n = logits.shape[0]
+    return logits.new_empty((n,) if reduction == 0 else ()), logits.new_empty((n,), dtype=torch.float32)
+
+
+@torch.library.custom_op("autopar::vocab_cross_entropy_backward", mutates_args=())
+def vocab_cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
+                                 start: int, ignore_index: int, reduction: int) -> torch.Tensor:
+    """The gradient of this rank's logits: (softmax - one-hot of the target where it is one of
+    this rank's classes) times the loss's gradient per row (mean: over the rows not ignored)."""
+    valid = target != ignore_index
+    g = grad.float()
+    scale = g if reduction == 0 else g.expand(target.shape) / (valid.sum() if reduction == 1 else 1)
+    p = (logits.float() - lse[:, None]).exp()
+    local = target - start
+    inside = (local >= 0) & (local < logits.shape[-1])
+    p.scatter_add_(-1, local.clamp(0, logits.shape[-1] - 1)[:, None], -inside.to(p.dtype)[:, None])
+    return (p * torch.where(valid, scale, 0.0)[:, None]).to(logits.dtype)
+
+
+@vocab_cross_entropy_backward.register_fake
+def _(grad, logits, target, lse, start, ignore_index, reduction):
+    return torch.empty_like(logits)
+
+
+def _ce_setup(ctx, inputs, output):
+    logits, target, _group, start, ignore_index, reduction = inputs
+    ctx.save_for_backward(logits, target, output[1])
+    ctx.args = (start, ignore_index, reduction)
+
+
+def _ce_backward(ctx, grad, _grad_lse):
+    logits, target, lse = ctx.saved_tensors
+    return (torch.ops.autopar.vocab_cross_entropy_backward(grad, logits, target, lse, *ctx.args),
+            None, None, None, None, None)
+
+
+vocab_cross_entropy.register_autograd(_ce_backward, setup_context=_ce_setup)
+VOCAB_CE = torch.ops.autopar.vocab_cross_entropy.default
+
+
 # -- what the pass returns ------------------------------------------------------------------------------------------
 
 
@@ -230,6 +303,71 @@ def _broadcast_dim(node: fx.Node, dims: dict, tp: int) -> int:
     return target
 
 
+def replicated_reads(node: fx.Node, dims: dict) -> list[tuple[fx.Node, int]]:
+    """An element-wise op with a sharded input: (replicated input, its dim) for each replicated
+    input it reads whole along the sharded dim (to cut to the rank's block: the op then reads
+    only the block it needs), or _NoRule when the inputs disagree."""
+    out = _val(node)
+    target = None
+    for a in _tensor_args(node):
+        if a in dims:
+            d = dims[a] + out.dim() - _val(a).dim()
+            if target not in (None, d) or _val(a).shape[dims[a]] != out.shape[d]:
+                raise _NoRule("inputs sharded along different dims, or one broadcast along its sharded dim")
+            target = d
+    cut = []
+    for a in _tensor_args(node):
+        if a not in dims:
+            v = _val(a)
+            i = target - (out.dim() - v.dim())
+            if 0 <= i < v.dim() and v.shape[i] != 1:
+                if v.shape[i] != out.shape[target]:
+                    raise _NoRule(f"a replicated input ({a.name}, shape {tuple(v.shape)}) is broadcast along the "
+                                  f"sharded dim {target}")
+                cut.append((a, i))
+    return cut
+
+
+def narrowed(node: fx.Node, dims: dict, tp: int) -> list[tuple[fx.Node, int, int]]:
+    """The replicated inputs a sharded op reads along its sharded dim, each (input, dim, blocks):
+    the rank reads block ``rank * blocks // tp`` of ``blocks`` equal ones along ``dim`` (a
+    ``narrow``, whose backward zero-pads; a value with a gradient goes through ``tp_copy`` first,
+    which sums the ranks' parts). Element-wise operands read whole along the sharded dim (blocks =
+    tp), attention's keys/values when only the queries are head-sharded: GQA with fewer key/value
+    heads than tp, whose key/value projections stay replicated (after a repeat to the query heads:
+    blocks = tp; SDPA's ``enable_gqa``: the rank's query heads read ``Hkv / min(Hkv, tp)`` key/value
+    heads, one when Hkv < tp, as Megatron replicates them)."""
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t == aten.where.self:
+        return [(a, i, tp) for a, i in replicated_reads(node, dims)]
+    if t in _SDPA:
+        q = node.args[0]
+        if dims.get(q) != 1 or _val(q).dim() != 4:
+            return []
+        hq, out = _val(q).shape[1], []
+        for a in node.args[1:3]:
+            h = _val(a).shape[1] if isinstance(a, fx.Node) and _val(a).dim() == 4 else None
+            if a in dims or h is None:
+                continue
+            if h == hq:
+                out.append((a, 1, tp))
+            elif node.kwargs.get("enable_gqa") and (h % tp == 0 or tp % h == 0):
+                out.append((a, 1, min(h, tp)))
+        mask = _argument(node, 3, "attn_mask", None)
+        if isinstance(mask, fx.Node) and mask not in dims and _val(mask).dim() >= 3 and \
+                _val(mask).shape[_val(mask).dim() - 3] == hq:  # a per-head mask: the rank's heads'
+            out.append((mask, _val(mask).dim() - 3, tp))
+        return out
+    if t in _MATMUL:
+        a, b = node.args[:2]
+        if (a in dims) == (b in dims) or _val(a).dim() != _val(b).dim():
+            return []
+        x, y = (a, b) if a in dims else (b, a)
+        d = dims[x]
+        return [(y, d, tp)] if d < _val(x).dim() - 2 and _val(y).shape[d] == _val(x).shape[d] else []
+    return []
+
+
 def _view_dim(src: torch.Size, dst: torch.Size, d: int, tp: int) -> int:
     """Where dim d of ``src`` lands in the view ``dst``: the dst dim whose leading elements start
     where it starts (same product of the dims before) and that tp divides; rank r's contiguous
@@ -314,6 +452,11 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         if dim == xd:
             raise _NoRule(f"{_op(node)} along the sharded dim (a packed weight without a rule)")
         return tuple(xd - 1 if t == aten.unbind.int and dim < xd else xd for _ in out)
+    if t == aten.cross_entropy_loss.default:  # the vocabulary-parallel cross-entropy (VOCAB_CE)
+        weight, smoothing = _argument(node, 2, "weight", None), _argument(node, 5, "label_smoothing", 0.0)
+        if xd != 1 or _val(x).dim() != 2 or node.args[1] in dims or weight is not None or smoothing:
+            raise _NoRule("a cross-entropy other than over [rows, classes] sharded by class (no weight, no smoothing)")
+        return None
     if t in _NORMS:  # layer_norm / rms_norm over the trailing normalized_shape dims
         if xd >= _val(x).dim() - len(node.args[1]) or any(a in dims for a in _tensor_args(node)[1:]):
             raise _NoRule(f"{_op(node)} over the sharded dim")
@@ -425,6 +568,8 @@ class _Analysis:
     columns: dict       # node -> _Linear
     rows: dict          # node -> _Linear
     origin: dict        # node -> frozenset of the column nodes its shard came from
+    narrows: dict = field(default_factory=dict)  # node -> [(replicated input, dim, blocks)] (``narrowed``)
+    vocab: dict = field(default_factory=dict)    # vocabulary-parallel embedding node -> its weight placeholder
 
     def shards(self, params: dict, tp: int, rank: int) -> dict[str, TpShard]:
         """FQN -> how rank ``rank`` holds each parameter it shards: a column's weight by its
@@ -436,20 +581,45 @@ class _Analysis:
                                                              and role == "out_dim" else [])
                 for ph, dim in held:
                     out[params[ph.name]] = TpShard(params[ph.name], dim, tuple(_val(ph).shape), tp, rank, lin.parts)
+        for ph in self.vocab.values():  # an embedding's rows (its vocabulary)
+            out[params[ph.name]] = TpShard(params[ph.name], 0, tuple(_val(ph).shape), tp, rank)
         return out
 
     def roles(self, params: dict) -> dict[str, str]:
         """Module path -> "column-parallel" / "row-parallel" of every sharded linear."""
-        return {params[lin.weight.name].rsplit(".", 1)[0]: role
-                for lins, role in ((self.columns, "column-parallel"), (self.rows, "row-parallel"))
-                for lin in lins.values()}
+        return {params[w.name].rsplit(".", 1)[0]: role
+                for ws, role in (([lin.weight for lin in self.columns.values()], "column-parallel"),
+                                 ([lin.weight for lin in self.rows.values()], "row-parallel"),
+                                 (list(self.vocab.values()), "vocabulary-parallel"))
+                for w in ws}
 
 
-def _analyze(graph: fx.Graph, params: dict, tp: int, off: set):
+def _vocab_embedding(node: fx.Node, params: dict, inputs, tp: int) -> fx.Node | None:
+    """The weight of an embedding looked up by a model input (token ids) that tp shards by its
+    rows (vocabulary-parallel: each rank looks up the ids in its rows, zeros for the others, and
+    the outputs are summed over tp); None for other embeddings (positions computed in the graph
+    stay replicated: small, and their sum would cost an all-reduce)."""
+    if node.target != aten.embedding.default:
+        return None
+    w, ids = node.args[:2]
+    if not (isinstance(w, fx.Node) and w.op == "placeholder" and w.name in params and _val(w).dim() == 2
+            and len(w.users) == 1 and _val(w).shape[0] % tp == 0 and isinstance(ids, fx.Node)
+            and ids.op == "placeholder" and ids.name in inputs):
+        return None
+    if any(node.args[3:5]):  # scale_grad_by_freq, sparse
+        return None
+    return w
+
+
+def _analyze(graph: fx.Graph, params: dict, tp: int, off: set, inputs=()):
     """One pass over the graph with the column linears in ``off`` kept replicated: the analysis,
     or (the column nodes to turn off, the reason) at the first place a shard has no rule."""
-    dims, origin, columns, rows = {}, {}, {}, {}
+    dims, origin, columns, rows, narrows, vocab = {}, {}, {}, {}, {}, {}
     for node in graph.nodes:
+        w = _vocab_embedding(node, params, inputs, tp) if node.op == "call_function" else None
+        if w is not None:
+            vocab[node] = w
+            continue
         if node.op == "output":
             bad = [a for a in _tensor_args(node) if a in dims]
             if bad:
@@ -488,12 +658,15 @@ def _analyze(graph: fx.Graph, params: dict, tp: int, off: set):
             dims[node], origin[node] = tuple(dims[node.args[0]] for _ in _val(node)), src
             continue
         try:
-            d = _rule(node, dims, tp)
+            cut = narrowed(node, dims, tp)
+            d = _rule(node, {**dims, **{a: i for a, i, _n in cut}}, tp)
         except _NoRule as e:
             return src, f"{_where(node)}: {e}"
+        if cut:
+            narrows[node] = cut
         if d is not None:
             dims[node], origin[node] = d, src
-    return _Analysis(dims, columns, rows, origin)
+    return _Analysis(dims, columns, rows, origin, narrows, vocab)
 
 
 def analyze(captured: CapturedGraph, tp: int):
@@ -502,7 +675,7 @@ def analyze(captured: CapturedGraph, tp: int):
     off: set = set()
     replicated = []
     while True:
-        res = _analyze(captured.gm.graph, captured.params, tp, off)
+        res = _analyze(captured.gm.graph, captured.params, tp, off, set(captured.inputs))
         if isinstance(res, _Analysis):
             return res, replicated
         cols, why = res
@@ -580,6 +753,27 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
                 for a in _tensor_args(node):
                     if a not in an.dims and a in graded_values:
                         node.replace_input_with(a, copy_of(a, node))
+                for a, d, n in an.narrows.get(node, ()):  # read along the sharded dim: the rank's block
+                    src = copies.get(a, a)
+                    size = _val(a).shape[d] // n
+                    with graph.inserting_before(node):
+                        node.replace_input_with(src, new_node(graph, aten.narrow.default,
+                                                              (src, d, tp_rank * n // tp * size, size), node))
+            if node in an.vocab:
+                _vocab_lookup(graph, node, tp, tp_rank, group_name)
+                continue
+            if node.target == aten.cross_entropy_loss.default and node.args[0] in an.dims:
+                x, target = node.args[:2]  # (x already holds this rank's classes)
+                with graph.inserting_before(node):
+                    ce = new_node(graph, VOCAB_CE, (x, target, group_name, tp_rank * _val(x).shape[1],
+                                                    _argument(node, 4, "ignore_index", -100),
+                                                    _argument(node, 3, "reduction", 1)), node)
+                    loss = new_node(graph, operator.getitem, (ce, 0), node)
+                node.replace_all_uses_with(loss)
+                if out.loss == node.name:
+                    out.loss = loss.name
+                graph.erase_node(node)
+                continue
             if node in an.columns:
                 x = an.columns[node].x
                 node.replace_input_with(x, copy_of(x, node))
@@ -605,6 +799,31 @@ def apply_tensor_parallel(captured: CapturedGraph, tp: int, tp_rank: int, group)
     out.gm.recompile()
     return TensorParallelResult(out, shards, [n.name for n in an.columns], [n.name for n in an.rows], replicated,
                                 an.roles(captured.params))
+
+
+def _vocab_lookup(graph: fx.Graph, node: fx.Node, tp: int, tp_rank: int, group_name: str) -> None:
+    """A vocabulary-parallel embedding on this rank: the ids in its rows looked up, the others
+    (and their gradients) zero, the outputs summed over tp (``tp_reduce``)."""
+    w, ids = node.args[:2]
+    n = _val(w).shape[0]  # (the placeholder holds this rank's rows already)
+    start = tp_rank * n
+    users = list(node.users)
+    with graph.inserting_before(node):
+        local = new_node(graph, aten.sub.Tensor, (ids, start), node)
+        outside = new_node(graph, aten.bitwise_or.Tensor, (new_node(graph, aten.lt.Scalar, (local, 0), node),
+                                                           new_node(graph, aten.ge.Scalar, (local, n), node)), node)
+        safe = new_node(graph, aten.masked_fill.Scalar, (local, outside, 0), node)
+    pad = node.args[2] if len(node.args) > 2 else -1
+    node.args = (w, safe) + ((pad - start if start <= pad < start + n else -1,) if len(node.args) > 2 else ())
+    refresh_val(node)
+    with graph.inserting_after(node):
+        keep = new_node(graph, aten.unsqueeze.default, (outside, -1), node)
+    with graph.inserting_after(keep):
+        zeroed = new_node(graph, aten.masked_fill.Scalar, (node, keep, 0.0), node)
+    with graph.inserting_after(zeroed):
+        red = new_node(graph, torch.ops.autopar.tp_reduce.default, (zeroed, group_name), node)
+    for u in users:
+        u.replace_input_with(node, red)
 
 
 def localize(node: fx.Node, d, tp: int) -> None:

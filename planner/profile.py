@@ -1052,7 +1052,9 @@ def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
         an, _ = analyze(captured, tp)
         sharded = {n.name for n in an.dims} | {n.name for n in an.rows}  # (columns are in dims: their outputs)
         dims = {f: sh.dim for f, sh in an.shards(captured.params, tp, 0).items()}
-        analyses[tp] = (sharded, dims, {n.name for n in an.rows}, _sequence_placement(captured, tp))
+        # (a vocabulary-parallel embedding sums its output over tp like a row linear)
+        analyses[tp] = (sharded, dims, {n.name for n in an.rows} | {n.name for n in an.vocab},
+                        _sequence_placement(captured, tp))
     out, done = list(unit_kinds), {}
     # (the last unit of a kind: the first layer reads the replicated embedding output, which
     # sequence parallelism cuts only at the layer's first residual add)
@@ -1082,14 +1084,22 @@ def _sequence_placement(captured, tp: int) -> tuple[set, set, set]:
     from autopar.passes.tensor_parallel import apply_tensor_parallel
 
     plan = placement(apply_tensor_parallel(captured, tp, 0, "planner").captured.gm.graph, tp)
+    names = {n.name for n in captured.gm.graph.nodes}
+
+    def captured_name(n) -> str:  # the sum's operand, or the captured node it was made from (an embedding)
+        while n.name not in names:
+            n = n.args[0]
+        return n.name
+
     gathered = {c.args[0].name for c in plan.gathered}
-    return ({n.name for n in plan.dims} - gathered, gathered, {n.args[0].name for n in plan.seeds})
+    scattered = {captured_name(n.args[0]) for n in plan.seeds}  # (their sums, which readers see, are token-sharded)
+    return ({n.name for n in plan.dims} - gathered) | scattered, gathered, scattered
 
 
 def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: tuple) -> TpShare | None:
     nodes = [n for n in stage.gm.graph.nodes if n.op == "call_function" and not _is_view(n)]
     total = sum(map(_op_weight, nodes))
-    if not total or not any(n.name in sharded for n in nodes):
+    if not total or not any(n.name in sharded or n.name in rows for n in nodes):
         return None
     vbytes = sum(n.meta.get("autopar_bytes", 0) for n in nodes) or 1.0
     vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
@@ -1111,7 +1121,8 @@ def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: t
                    attention=any(_is_attention_fwd(n) and n.name in sharded for n in nodes),
                    sharded=tuple((fqn[len(label):] if label and fqn.startswith(label + ".") else fqn, dims[fqn])
                                  for fqn, _v in mine),
-                   sequence=sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in tokens) / vbytes,
+                   sequence=sum(n.meta.get("autopar_bytes", 0) for n in nodes
+                                if n.name in tokens and n.name not in sharded) / vbytes,
                    scatters=(sum(1 for n in nodes if n.name in scattered),
                              float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in scattered))),
                    gathers=(sum(1 for n in stage.gm.graph.nodes if n.name in gathered),

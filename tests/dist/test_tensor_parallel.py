@@ -36,26 +36,38 @@ CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)),
              ("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4, sequence_parallel=True)),
              ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)),
              ("llama", dict(cp=2, tp=2, zero=1, clip=True, sequence_parallel=True)),
-             ("mixtral", dict(dp=2, ep=2, tp=2))]}
+             ("mixtral", dict(dp=2, ep=2, tp=2)),
+             # GQA with fewer key/value heads (2) than tp=4: k/v projections replicated, each rank's
+             # attention reads its query heads' key/value heads (HF: SDPA's enable_gqa; the
+             # repository's Llama: repeat_interleave to the query heads, then SDPA)
+             ("llama", dict(tp=4)), ("tiny_llama", dict(tp=4))]}
 CLIP = 0.05  # max_grad_norm of the "clip" cases: below the gradients' norm, so every step scales them
 
 # the tp all-reduces of a forward and of a backward, by hand: 2 and 2 per layer (llama, qwen2, gpt2:
 # 2 layers; gpt, tiny_llama: 4); MoE layers (mixtral, qwen3_moe: 2 layers) 1 (attention only), and
 # in Qwen3's backward 2 more per layer: its q and k norms' weights, replicated, read by the
-# head-sharded attention, each rank computing its heads' part of their gradients
-REDUCES = {"llama": (4, 4), "qwen2": (4, 4), "gpt2": (4, 4), "gpt": (8, 8), "tiny_llama": (8, 8),
-           "mixtral": (2, 2), "qwen3_moe": (2, 6),
+# head-sharded attention, each rank computing its heads' part of their gradients; plus, where the
+# token embedding and the LM head are separate weights (not gpt2, gpt: tied), one in F (the
+# vocabulary-parallel embedding's sum) and one in I (the LM head's input gradient; its
+# cross-entropy reduces inside its own op)
+V = 1
+REDUCES = {"llama": (4 + V, 4 + V), "qwen2": (4 + V, 4 + V), "gpt2": (4, 4), "gpt": (8, 8),
+           "tiny_llama": (8 + V, 8 + V), "mixtral": (2 + V, 2 + V), "qwen3_moe": (2 + V, 6 + V),
            # Gemma 3: 2 layers, q/k norm weights as Qwen3's; Llama 4: attention (RoPE by complex
            # products) and the shared expert of its 2 MoE layers, the routed experts replicated
-           "gemma3": (4, 8), "llama4": (4, 4)}
+           "gemma3": (4 + V, 8 + V), "llama4": (4 + V, 4 + V),
+           # tp=4 over 2 key/value heads: the replicated k and v read by the head-sharded attention
+           # get each rank's heads' part of their gradients, summed: I 2 more per layer
+           ("llama", 4): (4 + V, 8 + V), ("tiny_llama", 4): (8 + V, 16 + V)}
 
-# sequence parallelism, per model of L layers (by hand): F reduce-scatters the 2L row sums and
-# all-gathers the 2L column inputs (the embedding output is cut to the rank's tokens where it is
-# made), I runs the backward of each (2L reduce-scatters; 2L + 1 all-gathers: the row sums' and
-# the embedding output's cut); I's all-reduces are the gradients of the replicated parameters read
-# by token-sharded ops: the 2L + 1 norms (RMSNorm's weight; LayerNorm's weight and bias) and
-# GPT-2's 2L row biases
-SP_REDUCES = {"tiny_llama": (4, 4 * 2 + 1), "llama": (2, 2 * 2 + 1), "gpt2": (2, (2 * 2 + 1) * 2 + 2 * 2)}
+# sequence parallelism, per model of L layers (by hand), (F reduce-scatters, F all-gathers,
+# I reduce-scatters, I all-gathers, I all-reduces): F reduce-scatters the 2L row sums (and the
+# vocabulary-parallel embedding's) and all-gathers the 2L column inputs (and the LM head's); I runs
+# the backward of each, the reverse collective; GPT-2 (tied embedding, replicated) instead cuts
+# its embedding output where it is made, one all-gather more in I. I's all-reduces are the
+# gradients of the replicated parameters read by token-sharded ops: the 2L + 1 norms (RMSNorm's
+# weight; LayerNorm's weight and bias) and GPT-2's 2L row biases
+SP_REDUCES = {"tiny_llama": (9, 9, 9, 9, 9), "llama": (5, 5, 5, 5, 5), "gpt2": (4, 4, 4, 5, (2 * 2 + 1) * 2 + 2 * 2)}
 
 
 def _case(name):
@@ -209,21 +221,22 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
             # stay replicated: one), as many in I (their inputs' gradients), none in W
             # (a stage cut inside a layer puts a column's input gradient and the row's sum on two stages)
             if plan_kwargs.get("sequence_parallel"):
-                layers, reduces = SP_REDUCES[name]
+                f_rs, f_ag, i_rs, i_ag, reduces = SP_REDUCES[name]
                 sp = {op: {s: c for r in range(world) for s, c in per_rank[r][label]["sp"][op].items()}
                       for op in ("sp_reduce_scatter", "sp_all_gather")}
                 total = {(op, k): sum(c[k] for c in sp[op].values()) for op in sp for k in "FIW"}
-                assert total == {("sp_reduce_scatter", "F"): 2 * layers, ("sp_reduce_scatter", "I"): 2 * layers,
-                                 ("sp_reduce_scatter", "W"): 0, ("sp_all_gather", "F"): 2 * layers,
-                                 ("sp_all_gather", "I"): 2 * layers + 1, ("sp_all_gather", "W"): 0}, sp
+                assert total == {("sp_reduce_scatter", "F"): f_rs, ("sp_reduce_scatter", "I"): i_rs,
+                                 ("sp_reduce_scatter", "W"): 0, ("sp_all_gather", "F"): f_ag,
+                                 ("sp_all_gather", "I"): i_ag, ("sp_all_gather", "W"): 0}, sp
                 assert [sum(c[k] for c in programs.values()) for k in "FIW"] == [0, reduces, 0], programs
                 if plan_kwargs.get("pp"):  # the residual stream crosses the stage boundary token-sharded
                     mb, hidden = BATCH // plan_kwargs["num_microbatches"], case.model.config.hidden_size
                     assert (mb, SEQ // 2, hidden) in res["inputs"], res["inputs"]
 
                 continue
-            assert sum(c["F"] for c in programs.values()) == REDUCES[name][0], programs
-            assert sum(c["I"] for c in programs.values()) == REDUCES[name][1], programs
+            want = REDUCES.get((name, plan_kwargs["tp"]), REDUCES[name])
+            assert sum(c["F"] for c in programs.values()) == want[0], programs
+            assert sum(c["I"] for c in programs.values()) == want[1], programs
             assert all(c["W"] == 0 for c in programs.values()), programs
         except Exception as e:  # noqa: BLE001
             failures.append(f"{label}: {e}")

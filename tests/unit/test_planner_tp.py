@@ -49,8 +49,13 @@ def test_a_layer_shards_its_projections_by_hand_count(llama8b):
         assert one.in_bytes == pytest.approx(SEQ * d * 2 / tp + rope)
         cut = sh.activations + sh.sequence
         assert one.saved_bytes == pytest.approx(layer.saved_bytes * (1 - cut + cut / tp))
-    # the LM head's logits reach the cross-entropy, which has no rule: the epilogue shards nothing
-    assert llama8b.units[-1].kind.tp_share(2) is None and llama8b.units[0].kind.tp_share(2) is None
+    # the token embedding is vocabulary-parallel (its sum reduce-scattered), the LM head
+    # column-parallel (its input all-gathered) into the vocabulary-parallel cross-entropy
+    vocab = 128256
+    embed, head = llama8b.units[0].kind.tp_share(2), llama8b.units[-1].kind.tp_share(2)
+    assert embed.params == head.params == vocab * d
+    assert embed.scatters == (1, SEQ * d * 2) and embed.gathers == (0, 0) and 0.9 < embed.boundary[1] < 1  # + RoPE
+    assert head.gathers == (1, SEQ * d * 2) and head.scatters == (0, 0) and head.boundary[0] == 1
     # a tp rank's ZeRO layout sees the sharded shapes
     shapes = {p.shape for p in llama8b.at_tp(4).units[1].params}
     assert (d // 4, d) in shapes and (d, ffn // 4) in shapes and (d, d) not in shapes

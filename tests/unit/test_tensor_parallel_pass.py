@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from autopar import passes
 from autopar.passes.tensor_parallel import TpShard, analyze
-from tests.models import make_llama
+from tests.models import Llama, make_llama
 
 
 def _analysis(model, x, tp):
@@ -66,10 +66,27 @@ def test_llama_shards_as_megatron_does():
     cols = {captured.params[lin.weight.name].split(".")[-2] for lin in an.columns.values()}
     rows = {captured.params[lin.weight.name].split(".")[-2] for lin in an.rows.values()}
     layers = len(case.model.layers)
-    assert (len(an.columns), len(an.rows)) == (5 * layers, 2 * layers)
-    assert cols == {"wq", "wk", "wv", "w1", "w3"} and rows == {"wo", "w2"}
-    # the LM head's logits reach the cross-entropy, which has no rule: replicated, said why
-    assert len(replicated) == 1 and "output" in replicated[0] and "cross_entropy" in replicated[0]
+    assert (len(an.columns), len(an.rows)) == (5 * layers + 1, 2 * layers)  # + the LM head
+    assert cols == {"wq", "wk", "wv", "w1", "w3", "output"} and rows == {"wo", "w2"}
+    # the token embedding by vocabulary, the LM head by columns: its logits reach the cross-entropy,
+    # which becomes the vocabulary-parallel one; nothing stays replicated
+    assert set(an.vocab.values()) == {next(n for n in captured.gm.graph.nodes if captured.params.get(n.name) ==
+                                           "tok_embeddings.weight")}
+    assert any(captured.params[lin.weight.name] == "output.weight" for lin in an.columns.values()) and not replicated
+
+
+def test_gqa_with_fewer_key_value_heads_than_tp_reads_them_replicated():
+    """The repository's Llama (4 query heads over 2 key/value heads, repeat_interleave) at tp=4:
+    the k/v projections stay replicated (2 heads over 4 ranks), the attention is head-sharded and
+    each rank reads its query heads' block of the repeated keys and values (a narrow each)."""
+    case = make_llama()
+    captured = passes.capture(case.model, case.inputs, case.target, case.loss_fn)
+    an, _ = analyze(captured, 4)
+    cols = {captured.params[lin.weight.name].split(".")[-2] for lin in an.columns.values()}
+    assert cols == {"wq", "w1", "w3", "output"} and len(an.rows) == 2 * len(case.model.layers)
+    sdpa = [n for n in an.narrows if n.target == torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(sdpa) == len(case.model.layers) and all(
+        [(a, d, b) for a, d, b in an.narrows[n]] == [(n.args[1], 1, 4), (n.args[2], 1, 4)] for n in sdpa)
 
 
 def test_packed_qkv_split_and_both_mlps_shard():
@@ -117,17 +134,21 @@ def test_shard_blocks_rebuild_the_whole(parts, dim):
 
 
 def test_hugging_face_tp_plan_is_compared_not_followed():
-    """HF Llama's own plan (``_tp_plan``) shards q/k/v/gate/up by columns and o/down by rows, as
-    the graph does; it also shards the embedding by vocabulary and the LM head by columns, which
-    the pass keeps replicated (the loss has no rule): exactly those two are reported."""
+    """HF Llama's own plan (``_tp_plan``) shards q/k/v/gate/up by columns, o/down by rows, the
+    embedding by vocabulary and the LM head by columns, as the graph does at tp=2; at tp=4 its 2
+    key/value heads do not divide, so the pass keeps k_proj and v_proj replicated (the attention
+    reads them per rank): exactly those are reported, per layer."""
     from autopar.passes.tensor_parallel import tp_plan_disagreements
     from tests.hf_models import make_hf
 
     case = make_hf("llama", batch=2, seq=8, use_cache=False)
     captured = passes.capture(case.model, case.inputs, case.target, case.loss_fn)
     an, _replicated = analyze(captured, 2)
+    assert tp_plan_disagreements(case.model, an.roles(captured.params)) == []
+    an, _replicated = analyze(captured, 4)
     lines = tp_plan_disagreements(case.model, an.roles(captured.params))
-    assert sorted(line.split(":")[0] for line in lines) == ["lm_head", "model.embed_tokens"], lines
+    assert sorted(line.split(":")[0] for line in lines) == [f"model.layers.{i}.self_attn.{p}_proj"
+                                                            for i in range(2) for p in "kv"], lines
     assert all("keeps it replicated" in line for line in lines)
 
 
@@ -140,12 +161,21 @@ def _sequence(model, inputs, target, loss_fn, tp):
 
 
 def test_sequence_parallel_cuts_the_residual_stream_along_the_tokens():
-    """The repository's Llama at tp=2 (by hand: L layers of two row sums, two column inputs):
-    every row sum reduce-scattered, every column input all-gathered, the embedding output cut
-    where it is made, one gather (the final norm's output into the replicated LM head)."""
+    """The repository's Llama at tp=2 (by hand: L layers of two row sums, two column inputs,
+    the vocabulary-parallel embedding's sum and the LM head's input): every sum reduce-scattered,
+    every column input all-gathered, nothing gathered whole or cut. Without the vocabulary-parallel
+    embedding (tp=2 over a vocabulary of 255: no) its output is cut where it is made, and the
+    final norm's output is gathered whole for the replicated LM head."""
     case = make_llama()
     layers = len(case.model.layers)
     p = _sequence(case.model, case.inputs, case.target, case.loss_fn, 2)
+    assert (len(p.seeds), len(p.gathered)) == (2 * layers + 1, 2 * layers + 1)
+    assert not p.sources and not p.gathers and not p.splits
+    torch.manual_seed(0)
+    odd = Llama(vocab_size=255, seq_len=32)
+    tokens = torch.randint(0, 255, (2, 33))
+    p = _sequence(odd, (tokens[:, :-1],), tokens[:, 1:], lambda out, t: F.cross_entropy(out.flatten(0, 1),
+                                                                                      t.flatten()), 2)
     assert (len(p.seeds), len(p.gathered)) == (2 * layers, 2 * layers)
     assert [x.target for x in p.sources] == [torch.ops.aten.embedding.default]
     assert [[a.target for a in ins] for ins in p.gathers.values()] == [[torch.ops.aten.mul.Tensor]]  # RMSNorm's
