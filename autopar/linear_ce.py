@@ -27,6 +27,7 @@ passes/chunked_loss.py puts these ops in place of a captured head + ``cross_entr
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 
@@ -67,17 +68,21 @@ def _chunks(n: int, chunk: int):
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def _picked(z: torch.Tensor, target: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid tokens, each token's target column, 0 where ignored)."""
+def _picked(z: torch.Tensor, target: torch.Tensor, ignore_index: int,
+            start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(valid tokens, each token's target column in ``z``, 0 where it is not there; the tokens
+    whose target is a column of ``z``: ``z`` holds the classes [start, start + its width))."""
     valid = target != ignore_index
-    return valid, torch.where(valid, target, torch.zeros_like(target))
+    local = target - start
+    hit = valid & (local >= 0) & (local < z.shape[-1])
+    return valid, torch.where(hit, local, torch.zeros_like(local)), hit
 
 
-def _grad_logits(p, z, target_c, ignore_index, trail, scale=None) -> torch.Tensor:
+def _grad_logits(p, z, target_c, ignore_index, trail, scale=None, start: int = 0) -> torch.Tensor:
     """d loss_tok / d (head output) of one chunk from its probabilities ``p`` (fp32, overwritten),
     times ``scale`` per token (None: 1), in the head's dtype."""
-    valid, col = _picked(z, target_c, ignore_index)
-    p.scatter_add_(1, col[:, None], -valid.to(p.dtype)[:, None])
+    valid, col, hit = _picked(z, target_c, ignore_index, start)
+    p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
     p.mul_((valid.to(p.dtype) if scale is None else torch.where(valid, scale.float(), 0.0))[:, None])
     return _epilogue_backward(p.to(z.dtype), trail)
 
@@ -89,41 +94,56 @@ def _casts_only(ops: str) -> bool:
     return all(op.startswith("to:") for op in ops.split(",")) if ops else True
 
 
-def _forward(h, weight, bias, target, ignore_index, chunk, ops, values):
+def _forward(h, weight, bias, target, ignore_index, chunk, ops, values, group: str = "", start: int = 0):
+    """``group``: the vocabulary is sharded over this process group (tensor parallelism):
+    ``weight`` holds the classes [start, start + its rows); each chunk's row max, sum of
+    exponentials and target logit are reduced over the group (fp32), and the hidden states'
+    gradient is this rank's part (the caller sums it over the group)."""
     n = h.shape[0]
     loss = h.new_empty(n, dtype=torch.float32)
     lse = h.new_empty(n, dtype=torch.float32)
     grad_h = torch.empty_like(h)
     fast = _casts_only(ops)
+    pg = dist.distributed_c10d._resolve_process_group(group) if group else None
     for a, b in _chunks(n, chunk):
         z, trail = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
         zf = z.float()
-        valid, col = _picked(z, target[a:b], ignore_index)
-        if fast:
+        valid, col, hit = _picked(z, target[a:b], ignore_index, start)
+        if fast or pg is not None:
             m = zf.amax(dim=-1)
+            if pg is not None:
+                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
             p = zf - m[:, None]
             p.exp_()  # one fp32 [chunk, vocab] buffer: exp(z - max), unnormalized
-            total = p.sum(dim=-1)
+            both = torch.stack([p.sum(dim=-1), torch.where(hit, zf.gather(1, col[:, None]).squeeze(1), 0.0)])
+            if pg is not None:
+                dist.all_reduce(both, group=pg)
+            total, picked = both[0], both[1]
             lse_c = m + total.log()
-            z0 = trail[0][2] if trail else z  # the head's output, in its dtype
-            # ((p / total - onehot) * valid) @ W, the one-hot part as rows of W
-            gh = p.to(z0.dtype) @ weight
-            gh.mul_((valid / total)[:, None].to(gh.dtype))
-            gh.sub_(weight[col] * valid[:, None].to(weight.dtype))
-            del z0
+            if fast:
+                z0 = trail[0][2] if trail else z  # the head's output, in its dtype
+                # ((p / total - onehot) * valid) @ W, the one-hot part as rows of W
+                gh = p.to(z0.dtype) @ weight
+                gh.mul_((valid / total)[:, None].to(gh.dtype))
+                gh.sub_(weight[col] * hit[:, None].to(weight.dtype))
+                del z0
+            else:
+                p.div_(total[:, None])
+                gh = _grad_logits(p, z, target[a:b], ignore_index, trail, start=start) @ weight
         else:
             lse_c = torch.logsumexp(zf, dim=-1)
+            picked = zf.gather(1, col[:, None]).squeeze(1)
             p = zf - lse_c[:, None]
             p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities and their gradient
             gh = _grad_logits(p, z, target[a:b], ignore_index, trail) @ weight
-        loss[a:b] = torch.where(valid, lse_c - zf.gather(1, col[:, None]).squeeze(1), 0.0)
+        loss[a:b] = torch.where(valid, lse_c - picked, 0.0)
         lse[a:b] = lse_c
         grad_h[a:b] = gh
         del z, zf, trail, p, gh  # before the next chunk's are made
     return loss, lse, grad_h
 
 
-def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values,
+def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, start: int = 0,
                  into: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The head's weight (and bias) gradient, accumulated over the chunks in fp32, or added into
     ``into`` (the weight's gradient accumulator, any dtype; no bias) in place."""
@@ -138,20 +158,20 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
         if fast:
             # sum_i scale_i (p_i - onehot_i)^T h_i: the token scales on the [chunk, d] rows of h,
             # the one-hot part added into the target rows
-            valid, col = _picked(z, target[a:b], ignore_index)
+            valid, col, hit = _picked(z, target[a:b], ignore_index, start)
             scale = torch.where(valid, grad_tok[a:b].float(), 0.0)
             z0 = trail[0][2] if trail else z
             rows = h[a:b] * scale[:, None].to(h.dtype)
             g = p.to(z0.dtype)
             del z, z0, trail
             gw.add_(g.t() @ rows) if gw.dtype != g.dtype else gw.addmm_(g.t(), rows)
-            gw.index_add_(0, col, -rows.to(gw.dtype))
+            gw.index_add_(0, col, -(rows * hit[:, None].to(rows.dtype)).to(gw.dtype))
             if gb is not None:
                 gb.add_(p.t() @ scale)
-                gb.index_add_(0, col, -scale)
+                gb.index_add_(0, col, -scale * hit)
             del p, g
             continue
-        g = _grad_logits(p, z, target[a:b], ignore_index, trail, grad_tok[a:b])
+        g = _grad_logits(p, z, target[a:b], ignore_index, trail, grad_tok[a:b], start)
         del z, trail, p
         if gw.dtype == g.dtype:
             gw.addmm_(g.t(), h[a:b])
@@ -167,13 +187,13 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
 
 @torch.library.custom_op("autopar::linear_ce_forward", mutates_args=())
 def linear_ce_forward(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                      ignore_index: int, chunk: int, ops: str, values: list[float]
+                      ignore_index: int, chunk: int, ops: str, values: list[float], group: str = "", start: int = 0
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _forward(h, weight, bias, target, ignore_index, chunk, ops, values)
+    return _forward(h, weight, bias, target, ignore_index, chunk, ops, values, group, start)
 
 
 @linear_ce_forward.register_fake
-def _(h, weight, bias, target, ignore_index, chunk, ops, values):
+def _(h, weight, bias, target, ignore_index, chunk, ops, values, group="", start=0):
     n = h.shape[0]
     return h.new_empty(n, dtype=torch.float32), h.new_empty(n, dtype=torch.float32), torch.empty_like(h)
 
@@ -181,37 +201,37 @@ def _(h, weight, bias, target, ignore_index, chunk, ops, values):
 @torch.library.custom_op("autopar::linear_ce_grad_weight", mutates_args=())
 def linear_ce_grad_weight(grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                           target: torch.Tensor, lse: torch.Tensor, ignore_index: int, chunk: int, ops: str,
-                          values: list[float]) -> list[torch.Tensor]:
-    return _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values)
+                          values: list[float], start: int = 0) -> list[torch.Tensor]:
+    return _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, start)
 
 
 @linear_ce_grad_weight.register_fake
-def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
+def _(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, start=0):
     return [torch.empty_like(weight)] + ([] if bias is None else [torch.empty_like(bias)])
 
 
 @torch.library.custom_op("autopar::linear_ce_grad_weight_into", mutates_args=("acc",))
 def linear_ce_grad_weight_into(acc: torch.Tensor, grad_tok: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None, target: torch.Tensor, lse: torch.Tensor, ignore_index: int,
-                               chunk: int, ops: str, values: list[float]) -> None:
+                               chunk: int, ops: str, values: list[float], start: int = 0) -> None:
     """``linear_ce_grad_weight`` added into the weight's gradient accumulator ``acc`` in place
     (no bias): gradient accumulation over microbatches without a fresh ``[vocab, d]`` gradient
     (passes/exec_code.py puts it in place of the op when the runtime accumulates)."""
     if bias is not None:
         raise ValueError("autopar.linear_ce: linear_ce_grad_weight_into takes a head without bias")
-    _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, into=acc)
+    _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, start, into=acc)
 
 
 @linear_ce_grad_weight_into.register_fake
-def _(acc, grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values):
+def _(acc, grad_tok, h, weight, bias, target, lse, ignore_index, chunk, ops, values, start=0):
     return None
 
 
 def _setup(ctx, inputs, output):
-    h, weight, bias, target, ignore_index, chunk, ops, values = inputs
+    h, weight, bias, target, ignore_index, chunk, ops, values, _group, start = inputs
     _loss, lse, grad_h = output
     ctx.save_for_backward(h, weight, bias, target, lse, grad_h)
-    ctx.args = (ignore_index, chunk, ops, list(values))
+    ctx.args = (ignore_index, chunk, ops, list(values), start)
     ctx.mark_non_differentiable(lse, grad_h)
 
 
@@ -225,7 +245,7 @@ def _autograd_backward(ctx, grad_tok, _grad_lse, _grad_grad_h):
         weight_grads = torch.ops.autopar.linear_ce_grad_weight(grad_tok, h, weight, bias, target, lse, *ctx.args)
         gw = weight_grads[0] if need_w else None
         gb = weight_grads[1] if need_b and bias is not None else None
-    return gh, gw, gb, None, None, None, None, None
+    return gh, gw, gb, None, None, None, None, None, None, None
 
 
 linear_ce_forward.register_autograd(_autograd_backward, setup_context=_setup)

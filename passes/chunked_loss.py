@@ -18,6 +18,11 @@ everything else stay as they were. Any other shape of loss is left unchanged. Th
 the hidden states' gradient in the forward (I only scales it); the head's weight gradient is a
 separate op that recomputes the chunk logits, so it lands in W (deferrable).
 
+Under tensor parallelism the head is vocabulary-parallel and its loss is
+``autopar::vocab_cross_entropy`` (passes/tensor_parallel.py): the same pattern ending in it is
+chunked too, the op reducing each chunk's row max, sum of exponentials and target logit over the
+tp group (autopar/linear_ce.py), so neither the logits nor a chunk of them is ever gathered.
+
 Numerics: the per-token losses and their sum are fp32 (cast to the logits' dtype at the end,
 as the loss was); equal to the unchunked graph to fp32 rounding.
 """
@@ -35,6 +40,7 @@ from torch._guards import detect_fake_mode
 from autopar import linear_ce
 
 from .costs import annotate_costs, graph_flops, node_time
+from .tensor_parallel import VOCAB_CE
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
@@ -50,19 +56,22 @@ _REDUCTIONS = {0: "none", 1: "mean", 2: "sum"}
 class LinearLoss:
     """One head + cross-entropy found in a graph: what the rewrite and the planner read."""
 
-    loss: fx.Node          # the cross_entropy_loss node
+    loss: fx.Node          # the cross_entropy_loss node (or tensor parallelism's vocab_cross_entropy)
     head: fx.Node          # the linear node
     chain: tuple           # nodes between them, head side first
     tokens: int            # rows of the logits the loss reads
     hidden: int            # d
-    vocab: int             # V
+    vocab: int             # V (this rank's classes under tensor parallelism)
+    result: fx.Node = None  # the loss's value (vocab_cross_entropy: its first output)
+    group: str = ""        # the vocabulary is sharded over this process group (tensor parallelism)
+    start: int = 0         # ... and the head holds the classes [start, start + vocab)
 
 
 def find_linear_losses(gm: fx.GraphModule) -> list[LinearLoss]:
     """Every ``linear -> ... -> cross_entropy_loss`` of ``gm`` this pass can chunk."""
     found = []
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is aten.cross_entropy_loss.default:
+        if node.op == "call_function" and node.target in (aten.cross_entropy_loss.default, VOCAB_CE):
             m = _match(node)
             if m is not None:
                 found.append(m)
@@ -86,10 +95,27 @@ def _sole_user(node: fx.Node, user: fx.Node) -> bool:
     return all(u is user or u.target in _ASSERTS for u in node.users)
 
 
-def _match(ce: fx.Node) -> LinearLoss | None:
-    x, target = _arg(ce, "self"), _arg(ce, "target")
+def _loss_args(ce: fx.Node) -> dict | None:
+    """The logits, target, ignore_index and reduction a loss node reads, the value its users
+    read, and where its classes are sharded: None for a loss the rewrite cannot take."""
+    if ce.target is VOCAB_CE:  # (logits, target, group, start, ignore_index, reduction) -> (loss, lse)
+        users = list(ce.users)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            return None
+        x, target, group, start, ignore, reduction = ce.args
+        return dict(x=x, target=target, group=group, start=start, ignore=ignore, reduction=reduction,
+                    result=users[0])
     if _arg(ce, "weight") is not None or _arg(ce, "label_smoothing") != 0.0:
         return None
+    return dict(x=_arg(ce, "self"), target=_arg(ce, "target"), group="", start=0, ignore=_arg(ce, "ignore_index"),
+                reduction=_arg(ce, "reduction"), result=ce)
+
+
+def _match(ce: fx.Node) -> LinearLoss | None:
+    args = _loss_args(ce)
+    if args is None:
+        return None
+    x, target = args["x"], args["target"]
     xv, tv = _val(x), _val(target)
     if xv is None or tv is None or xv.dim() != 2 or tv.dim() != 1:
         return None
@@ -106,7 +132,8 @@ def _match(ce: fx.Node) -> LinearLoss | None:
     if hv is None or wv is None or wv.dim() != 2 or not hv.is_floating_point():
         return None
     return LinearLoss(loss=ce, head=cur, chain=tuple(reversed(chain)), tokens=int(xv.shape[0]),
-                      hidden=int(wv.shape[1]), vocab=int(wv.shape[0]))
+                      hidden=int(wv.shape[1]), vocab=int(wv.shape[0]), result=args["result"], group=args["group"],
+                      start=int(args["start"]))
 
 
 def _chain_op(node: fx.Node) -> bool:
@@ -189,12 +216,12 @@ def _rewrite(graph: fx.Graph, m: LinearLoss, chunk_tokens: int) -> None:
             elif t is aten._to_copy.default:
                 ops.append(f"to:{str(node.kwargs['dtype']).removeprefix('torch.')}")
                 values.append(0.0)
-        target = _arg(ce, "target")
-        ignore = int(_arg(ce, "ignore_index"))
+        args = _loss_args(ce)
+        target, ignore = args["target"], int(args["ignore"])
         res = _add(graph, fake, linear_ce.FORWARD_OP, (x, w, bias, target, ignore, int(chunk_tokens), ",".join(ops),
-                                                        values), ce)
+                                                        values, m.group, m.start), ce)
         loss_tok = _add(graph, fake, operator.getitem, (res, 0), ce)
-        reduction = _REDUCTIONS[int(_arg(ce, "reduction"))]
+        reduction = _REDUCTIONS[int(args["reduction"])]
         out = loss_tok
         if reduction != "none":
             out = _add(graph, fake, aten.sum.default, (loss_tok,), ce)
@@ -202,11 +229,11 @@ def _rewrite(graph: fx.Graph, m: LinearLoss, chunk_tokens: int) -> None:
             valid = _add(graph, fake, aten.ne.Scalar, (target, ignore), ce)
             count = _add(graph, fake, aten.sum.default, (valid,), ce)
             out = _add(graph, fake, aten.div.Tensor, (out, count), ce)
-        dtype = _val(ce).dtype
+        dtype = _val(m.result).dtype
         if dtype != torch.float32:
             out = _add(graph, fake, aten._to_copy.default, (out,), ce, {"dtype": dtype})
-    ce.replace_all_uses_with(out)
-    for node in [ce, *reversed(m.chain), head]:
+    m.result.replace_all_uses_with(out)
+    for node in [*([m.result] if m.result is not ce else []), ce, *reversed(m.chain), head]:
         for u in list(node.users):
             if u.target in _ASSERTS:
                 graph.erase_node(u)

@@ -8,7 +8,7 @@ loss function, and what the planner needs to scale the captured graph back to th
 By default (``full_depth=False``) the built model holds ONE block per distinct block kind and
 ``layer_repeats`` says how many real layers each one stands for, so that capture stays fast:
 
-* ``gpt3-175b``:    ``{"blocks.0": 96}``
+* ``gpt3-175b``:    ``{"blocks.0": 96}`` (the ``megatron-*`` GPTs likewise)
 * ``llama3-*``:     ``{"layers.0": n_layers}``
 * ``mixtral-8x7b``: ``{"layers.0": 32}``
 * ``deepseek-v3``:  ``{"layers.0": 3, "layers.1": 58}`` (dense FFN block, MoE block)
@@ -88,6 +88,24 @@ _GPT3 = _Spec(
     GPTConfig(vocab_size=50257, seq_len=2048, n_layer=96, n_head=96, d_model=12288),
     "Brown et al. 2020, Language Models are Few-Shot Learners (arXiv:2005.14165), Table 2.1", 175.0e9)
 
+# Megatron-LM's weak-scaling GPT family -- Narayanan et al. 2021, "Efficient Large-Scale Language
+# Model Training on GPU Clusters Using Megatron-LM" (arXiv 2104.04473), Table 1: GPT models with
+# sequence length 2048 and a vocabulary of 51200 (learned positions, LayerNorm, GELU MLP 4d); the
+# four trained with pipeline parallelism (TP 8 x PP 8 / 16 / 35 / 64).
+_MEGATRON_SOURCE = ("Narayanan et al. 2021, Efficient Large-Scale Language Model Training on GPU Clusters "
+                    "(arXiv:2104.04473), Table 1")
+
+
+def _megatron(name, n_layer, n_head, d_model, published):
+    return _Spec(name, "gpt", GPTConfig(vocab_size=51200, seq_len=2048, n_layer=n_layer, n_head=n_head,
+                                        d_model=d_model), _MEGATRON_SOURCE, published)
+
+
+_MEGATRON_145B = _megatron("megatron-145b", 80, 96, 12288, 145.6e9)
+_MEGATRON_310B = _megatron("megatron-310b", 96, 128, 16384, 310.1e9)
+_MEGATRON_530B = _megatron("megatron-530b", 105, 128, 20480, 529.6e9)
+_MEGATRON_1T = _megatron("megatron-1t", 128, 160, 25600, 1008.0e9)
+
 # Llama 3 -- Llama Team 2024, "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 3, and the
 # meta-llama/Meta-Llama-3.1-{8B,70B,405B} config.json / model cards (8.03B, 70.6B, 405.8B):
 # vocab 128256, rope_theta 500000, rms_norm_eps 1e-5, 8 KV heads, context 8192 (Llama 3;
@@ -163,7 +181,8 @@ _GLM5 = _Spec(
     "zai-org/GLM-5 config (transformers GlmMoeDsaConfig)", 744e9, 40e9)
 
 _PRESETS: dict[str, _Spec] = {s.name: s for s in (
-    _GPT3, _LLAMA3_8B, _LLAMA3_70B, _LLAMA3_405B, _MIXTRAL, _DEEPSEEK_V3, _GLM5)}
+    _GPT3, _LLAMA3_8B, _LLAMA3_70B, _LLAMA3_405B, _MIXTRAL, _DEEPSEEK_V3, _GLM5, _MEGATRON_145B, _MEGATRON_310B,
+    _MEGATRON_530B, _MEGATRON_1T)}
 
 EXPERT_PARAM_PREFIXES = ("feed_forward.experts.",)
 

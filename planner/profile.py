@@ -267,7 +267,10 @@ class UnitKind:
                        attention_bytes=self.attention_bytes / tp if sh.attention else self.attention_bytes,
                        time_scale=1.0 - sh.flops + sh.flops / tp,
                        tp_comm=(sh.reduces - n_rs, sh.reduce_bytes - rs_bytes, tp),
-                       sp_comm=(n_rs, rs_bytes, n_ag, ag_bytes), tp_shares=())
+                       sp_comm=(n_rs, rs_bytes, n_ag, ag_bytes), tp_shares=(),
+                       # a vocabulary-parallel chunked loss: each rank's chunk holds its classes only
+                       loss_chunk_row_bytes=self.loss_chunk_row_bytes / tp if sh.params else self.loss_chunk_row_bytes,
+                       loss_fixed_bytes=self.loss_fixed_bytes / tp if sh.params else self.loss_fixed_bytes)
 
     def kv_copies_bytes(self, cp: int) -> float:
         """Bytes of the key/value head copies context parallelism at ``cp`` adds (per captured
@@ -984,6 +987,8 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         unit_kinds = _with_tp_shares(captured, stages, labels, unit_kinds)
         chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
                                                 timer if real else None)
+        if chunked_kind is not None:  # under tp the chunked head shards as the captured one (vocabulary-parallel)
+            chunked_kind = replace(chunked_kind, tp_shares=unit_kinds[-1].tp_shares)
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
     if moe:

@@ -28,9 +28,11 @@ BATCH, SEQ, STEPS, M = 4, 16, 2, 2
 # (options: "bf16" mixed precision, "meta" the model built on the meta device and read from a
 # safetensors file of the eager model's weights)
 CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)), ("gpt", dict(tp=2)),
-             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)), ("gemma3", dict(tp=2)),
+             ("tiny_llama", dict(tp=2)), ("mixtral", dict(tp=2)), ("qwen3_moe", dict(tp=2)),
+             # the chunked loss, vocabulary-parallel: Gemma 3's soft-capped logits (tanh), and with SP
+             ("gemma3", dict(tp=2, loss_chunk_tokens=16)),
              ("llama4", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
-             ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True, sequence_parallel=True)),
+             ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True, sequence_parallel=True, loss_chunk_tokens=16)),
              ("gpt2", dict(tp=2, sequence_parallel=True))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
              ("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4, sequence_parallel=True)),
@@ -112,6 +114,7 @@ def _train_many(rank, world, cases, tmp):
     import torch
 
     import autopar
+    from autopar import linear_ce
 
     out = {}
     for key in cases:
@@ -144,6 +147,8 @@ def _train_many(rank, world, cases, tmp):
                                      if s in pm.built.parallelisms["pp"].my_stages}
                                 for op in ("sp_reduce_scatter", "sp_all_gather", "sp_gather")},
                          "sharded": len(tp.shards),
+                         "chunked": any(n.target is linear_ce.FORWARD_OP for s in pm.built.parallelisms["pp"].my_stages
+                                        for n in pm.built.programs[s].f.gm.graph.nodes),
                          # the shapes of what the rank's last stage receives from the one before
                          "inputs": [tuple(n.meta["val"].shape) for n in pm.built.programs[
                              pm.built.parallelisms["pp"].my_stages[-1]].stage.gm.graph.nodes if n.op == "placeholder"
@@ -212,6 +217,7 @@ def test_tensor_parallel_matches_eager(world, tmp_path):
                 else:
                     assert_close_state(res["state"], ref_state)
             res = per_rank[world - 1][label]
+            assert any(per_rank[r][label]["chunked"] for r in range(world)) == bool(plan_kwargs.get("loss_chunk_tokens"))
             if plan_kwargs.get("meta"):  # each rank read half of every block of whole rows, the rest whole
                 assert res["read"] == res["file_bytes"] - res["rows_bytes"] // 2, res
             programs = {s: c for r in range(world) for s, c in per_rank[r][label]["programs"].items()}

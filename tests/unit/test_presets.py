@@ -18,6 +18,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")
 PUBLISHED = {
     "gpt3-175b": 175e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.8e9,
     "mixtral-8x7b": 46.7e9, "deepseek-v3": 671e9, "glm-5": 744e9,
+    "megatron-145b": 145.6e9, "megatron-310b": 310.1e9, "megatron-530b": 529.6e9, "megatron-1t": 1008.0e9,
 }
 
 
