@@ -279,12 +279,12 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                         if pruned is not None:
                             combos = [(m, name) for m in ms for name in names
                                       if _fits_pin(pin, pp, m, per_replica // m, name, U)]
-                            pruned(_first_valid(combos, pp, dp, cp, ep, z, per_replica, tp), len(combos))
+                            pruned(_first_valid(combos, pp, dp, cp, ep, z, per_replica, tp, pin), len(combos))
                         continue
                     for m in ms:
                         b = per_replica // m
                         for name in names:
-                            v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+                            v = _stages_per_rank(name, pp, pin)
                             if pp * v > U:
                                 continue
                             lay = Layout(pp, dp, cp, ep, name, v, m, b, z, tp=tp)
@@ -317,17 +317,23 @@ def _constraint(name: str, pp: int, m: int, v: int) -> str | None:
     return None
 
 
+def _stages_per_rank(name: str, pp: int, pin: dict) -> int:
+    """The schedule's stages per rank (``--pin v=`` where given: interleaved-1f1b takes any;
+    the schedule's constraints reject the rest), 1 without a pipeline."""
+    return 1 if pp == 1 else pin.get("v", registry.default_stages_per_rank(name))
+
+
 def _fits_pin(pin: dict, pp: int, m: int, b: int, name: str, U: int) -> bool:
-    v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+    v = _stages_per_rank(name, pp, pin)
     if pp * v > U:
         return False
     got = {"schedule": name, "v": v, "m": m, "b": b}
     return all(got[k] == x for k, x in pin.items() if k in got)
 
 
-def _first_valid(combos, pp, dp, cp, ep, z, per_replica, tp: int = 1) -> Layout | None:
+def _first_valid(combos, pp, dp, cp, ep, z, per_replica, tp: int = 1, pin: dict | None = None) -> Layout | None:
     for m, name in combos:
-        v = 1 if pp == 1 else registry.default_stages_per_rank(name)
+        v = _stages_per_rank(name, pp, pin or {})
         if _constraint(name, pp, m, v) is not None:
             continue
         return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z, tp=tp)

@@ -1161,3 +1161,17 @@ def test_muon_worst_replica_and_padding():
     pad1, worst1 = ev.muon_dealt(Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 1), part, (0,), 0)
     assert total / 8 <= worst1 <= 1.05 * total / 8 and pad1 <= 0.05 * sum(u.kind.muon_params for u in prof.units)
     assert ev.muon_dealt(Layout(1, 8, 1, 1, "1f1b", 1, 8, 1, 0), part, (0,), 0) is None  # every replica steps all
+
+
+def test_pin_v_gives_interleaved_more_stages_per_rank(gpt_profile):
+    """``--pin v=3`` with interleaved-1f1b: layouts of 3 stages a rank (the search otherwise tries
+    each schedule's default, 2), carried into the runtime plan; a V schedule refuses v=3."""
+    dev = get_profile("h100")
+    kw = dict(gpus=2, global_batch=8, memory_limit=80e9)
+    res = plan(gpt_profile, dev, Request(**kw, pin={"pp": 2, "schedule": "interleaved-1f1b", "v": 3}))
+    assert res.chosen is not None and res.chosen.layout.v == 3
+    from autopar.planner.search import to_plan
+
+    assert to_plan(res, res.chosen).stages_per_rank == 3
+    res = plan(gpt_profile, dev, Request(**kw, pin={"pp": 2, "schedule": "zbv", "v": 3}))
+    assert res.chosen is None and any("stages_per_rank" in c.reason for c in res.candidates)
