@@ -358,6 +358,14 @@ def narrowed(node: fx.Node, dims: dict, tp: int) -> list[tuple[fx.Node, int, int
                 _val(mask).shape[_val(mask).dim() - 3] == hq:  # a per-head mask: the rank's heads'
             out.append((mask, _val(mask).dim() - 3, tp))
         return out
+    if t == aten.cat.default:  # MLA's keys: [nope (head-sharded), rope (one head, expanded)]
+        tensors, dim = node.args[0], _norm(_argument(node, 1, "dim", 0), _val(node).dim())
+        ds = {dims[a] for a in tensors if a in dims}
+        if len(ds) != 1 or dim in ds:
+            return []
+        d = ds.pop()
+        return [(a, d, tp) for a in tensors if a not in dims and _val(a).dim() == _val(node).dim()
+                and _val(a).shape[d] == _val(node).shape[d]]
     if t in _MATMUL:
         a, b = node.args[:2]
         if (a in dims) == (b in dims) or _val(a).dim() != _val(b).dim():
@@ -457,6 +465,10 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         if xd != 1 or _val(x).dim() != 2 or node.args[1] in dims or weight is not None or smoothing:
             raise _NoRule("a cross-entropy other than over [rows, classes] sharded by class (no weight, no smoothing)")
         return None
+    if t in (aten.constant_pad_nd.default, aten.pad.default):  # the trailing dims (MLA's values to the key width)
+        if 2 * (_val(x).dim() - xd) <= len(node.args[1]):
+            raise _NoRule("a pad of the sharded dim")
+        return xd
     if t in _NORMS:  # layer_norm / rms_norm over the trailing normalized_shape dims
         if xd >= _val(x).dim() - len(node.args[1]) or any(a in dims for a in _tensor_args(node)[1:]):
             raise _NoRule(f"{_op(node)} over the sharded dim")
@@ -844,7 +856,8 @@ def graded(captured: CapturedGraph) -> set:
     out = set()
     for node in captured.gm.graph.nodes:
         v = _val(node)
-        if not (isinstance(v, torch.Tensor) and v.is_floating_point()):
+        vs = v if isinstance(v, (list, tuple)) else [v]  # (a split's parts: its getitems read them)
+        if not any(isinstance(x, torch.Tensor) and x.is_floating_point() for x in vs):
             continue
         if node.op == "placeholder" and (node.name in captured.params or node.name in captured.inputs) or \
                 any(a in out for a in node.all_input_nodes):

@@ -33,7 +33,7 @@ CASES = {2: [("llama", dict(tp=2)), ("qwen2", dict(tp=2)), ("gpt2", dict(tp=2)),
              ("gemma3", dict(tp=2, loss_chunk_tokens=16)),
              ("llama4", dict(tp=2)), ("gpt", dict(tp=2, bf16=True)),
              ("llama", dict(tp=2, meta=True)), ("tiny_llama", dict(tp=2, clip=True, sequence_parallel=True, loss_chunk_tokens=16)),
-             ("gpt2", dict(tp=2, sequence_parallel=True))],
+             ("gpt2", dict(tp=2, sequence_parallel=True)), ("mla", dict(tp=2))],
          4: [("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4)),
              ("llama", dict(pp=2, tp=2, schedule="zbv", num_microbatches=4, sequence_parallel=True)),
              ("qwen2", dict(dp=2, tp=2, zero=3, clip=True)),
@@ -60,7 +60,10 @@ REDUCES = {"llama": (4 + V, 4 + V), "qwen2": (4 + V, 4 + V), "gpt2": (4, 4), "gp
            "gemma3": (4 + V, 8 + V), "llama4": (4 + V, 4 + V),
            # tp=4 over 2 key/value heads: the replicated k and v read by the head-sharded attention
            # get each rank's heads' part of their gradients, summed: I 2 more per layer
-           ("llama", 4): (4 + V, 8 + V), ("tiny_llama", 4): (8 + V, 16 + V)}
+           ("llama", 4): (4 + V, 8 + V), ("tiny_llama", 4): (8 + V, 16 + V),
+           # MLA (2 layers): q and kv latents are two column inputs, and the rope key (one head,
+           # replicated, read by every head) one more gradient to sum: I 4 a layer
+           "mla": (4 + V, 8 + V)}
 
 # sequence parallelism, per model of L layers (by hand), (F reduce-scatters, F all-gathers,
 # I reduce-scatters, I all-gathers, I all-reduces): F reduce-scatters the 2L row sums (and the
@@ -82,6 +85,14 @@ def _case(name):
             if type(m).__name__ == "Dropout" and not path.endswith("attn_dropout"):
                 m.p = 0.1
         return case
+    if name == "mla":  # the presets' DeepSeek-style multi-head latent attention (examples/llama.py)
+        from autopar.examples.llama import LlamaConfig, make_llama as make_preset_llama
+        from tests.models import ModelCase
+
+        cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=4, ffn_hidden=64, seq_len=SEQ,
+                          attention="mla", q_lora_rank=16, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                          v_head_dim=8)
+        return ModelCase("mla", *make_preset_llama(cfg, batch_size=BATCH, seed=3))
     if name == "gpt":
         return make_gpt(seed=3)
     if name == "tiny_llama":
