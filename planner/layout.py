@@ -50,7 +50,8 @@ class Layout:
     tp: int = 1       # tensor-parallel degree, the innermost mesh axis (one node)
 
     def __post_init__(self):
-        object.__setattr__(self, "offload", normal_offload(self.offload))
+        if type(self.offload) is not float:  # (the search makes many layouts of 0.0)
+            object.__setattr__(self, "offload", normal_offload(self.offload))
 
     @property
     def num_stages(self) -> int:

@@ -250,7 +250,10 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
     seq = profile.seq_len or 1
     pin = dict(req.pin)
     fam_pin = {k: x for k, x in pin.items() if k in ("pp", "dp", "cp", "ep", "zero", "tp")}
-    tps = [1] + [t for t in TP_DEGREES if req.allow_tp and t <= max_tp and N % t == 0 and profile.shards_at(t)]
+    if "tp" in pin:  # a pinned degree is priced whatever shards_at says
+        tps = [pin["tp"]] if N % pin["tp"] == 0 else []
+    else:
+        tps = [1] + [t for t in TP_DEGREES if req.allow_tp and t <= max_tp and N % t == 0 and profile.shards_at(t)]
     for tp, pp in ((tp, pp) for tp in tps for pp in divisors(N // tp)):
         if pp > U:
             continue
@@ -270,6 +273,7 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
             ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
             names = ("1f1b",) if pp == 1 else req.schedules
+            vs = {name: _stages_per_rank(name, pp, pin) for name in names}
             for ep in eps:
                 for z in zeros:
                     fam = {"pp": pp, "dp": dp, "cp": cp, "ep": ep, "zero": z, "tp": tp}
@@ -284,7 +288,7 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                     for m in ms:
                         b = per_replica // m
                         for name in names:
-                            v = _stages_per_rank(name, pp, pin)
+                            v = vs[name]
                             if pp * v > U:
                                 continue
                             lay = Layout(pp, dp, cp, ep, name, v, m, b, z, tp=tp)
@@ -636,7 +640,7 @@ class _Screen:
         # no schedule beats one microbatch's critical path: every stage's F, then every stage's I
         t = max(t, tf + ti + w / lay.v)
         c = Candidate(lay, "screened", screen_time=t)
-        inflight = _inflight_of(lay.schedule, p, lay.m, lay.v)[0]
+        inflight, inflight_max = _inflight_of(lay.schedule, p, lay.m, lay.v)
         cross = _crossings_of(lay.schedule, p, lay.v)
         bd = self.bd * sc
         # sends are held until a later message from their receiver proves they arrived
@@ -654,7 +658,7 @@ class _Screen:
         # expected at balanced stages: mean per-stage amounts and boundary tensors
         per_stage = self.U / lay.num_stages
         bd_mean = self.bd_mean * sc
-        held = min(lay.m, _inflight_of(lay.schedule, p, lay.m, lay.v)[1] + 1)
+        held = min(lay.m, inflight_max + 1)
         p2p = cross * (held * bd_mean) + (2 * bd_mean if cross else 0.0)
         mean_work = self.mean_work * sc
         plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)

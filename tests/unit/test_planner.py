@@ -239,7 +239,7 @@ def _check_plan(res, prof, req, tied: int = 0):
     c = res.chosen
     assert c is not None
     lay, est = c.layout, c.estimate
-    assert lay.pp * lay.dp * lay.cp == req.gpus
+    assert lay.pp * lay.dp * lay.cp * lay.tp == req.gpus
     assert (lay.dp * lay.cp) % lay.ep == 0
     assert req.global_batch == lay.dp * lay.m * lay.b
     for r in range(lay.pp):
@@ -254,7 +254,8 @@ def _check_plan(res, prof, req, tied: int = 0):
     # and the tied weight twice when its two units (first and last) sit on different ranks
     if lay.zero < 3:
         held = sum(row["weights"] for row in est.memory) / res.evaluator.precision.weight
-        expect = sum(u.kind.params - u.kind.expert_params * (1 - 1 / lay.ep) for u in prof.units) - tied
+        units = res.evaluator.for_tp(lay.tp).units  # (a tp rank's: its shards; the tied weight stays whole)
+        expect = sum(u.kind.params - u.kind.expert_params * (1 - 1 / lay.ep) for u in units) - tied
         expect += tied if s2r[0] != s2r[S - 1] else 0
         assert math.isclose(held, expect, rel_tol=1e-9), (held, expect)
     # the simulated makespan against bounds from first principles, given the stage costs: every rank

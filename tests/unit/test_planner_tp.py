@@ -95,8 +95,10 @@ def gpt_cpu():
 def test_tp_is_searched_where_it_shards_a_real_share(llama8b):
     """A dense decoder: the layers' linears, ~all of its FLOPs and parameters: searched at every
     degree. Mixtral: tp shards its attention only (the experts are left to expert parallelism),
-    a few percent of its parameters and under a quarter of its FLOPs: tp could neither speed a
-    step up nor fit it, and is not searched (``ModelProfile.shards_at``)."""
+    a few percent of its parameters and 14% of its time at 256 tokens: 2 tp ranks would keep at
+    best 1 / (2 * 0.86 + 0.14) = 54% of their time useful, under ``TP_EFFICIENCY``; tp could
+    neither speed a step up nor fit it, and is not searched (``ModelProfile.shards_at``); a
+    pinned degree is priced all the same."""
     assert all(llama8b.shards_at(t) for t in (2, 4, 8))
     pm = presets.build_preset("mixtral-8x7b", seq_len=SEQ)
     mixtral = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,
@@ -107,3 +109,5 @@ def test_tp_is_searched_where_it_shards_a_real_share(llama8b):
     assert not any(mixtral.shards_at(t) for t in (2, 4, 8))
     res = plan(mixtral, get_profile("h100"), Request(gpus=64, global_batch=64, memory_limit=2 ** 36))
     assert {c.layout.tp for c in res.candidates} == {1}
+    res = plan(mixtral, get_profile("h100"), Request(gpus=64, global_batch=64, memory_limit=2 ** 36, pin={"tp": 2}))
+    assert {c.layout.tp for c in res.candidates} == {2} and res.chosen is not None
