@@ -90,10 +90,6 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
                                 precision=mixed_precision, init_fn=init_fn)
-    if plan.tp > 1 and planned_optimizer(optimizer) == "muon":
-        raise ValueError(f"autopar: autopar.Muon under tensor parallelism (plan tp={plan.tp}) is not built yet: its "
-                         "Newton-Schulz step needs each whole matrix, and a tp rank holds a block of it; use tp=1 "
-                         "with Muon, or a torch optimizer (AdamW) under tp")
     inputs, input_names = batches.with_shift_labels(inputs, input_names, model, loss_fn, plan.cp)
     buffers = recompute_buffers(model=model, seed=seed, init_fn=init_fn)
     mesh = make_mesh(plan=plan, timeout=timeout)
@@ -112,6 +108,8 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
         trainable = {f for f, p in params.items() if p.requires_grad}
         options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
         routes = route_optimizer(factory=optimizer, captured=captured, options=options)
+        if routes is not None and "tp" in owners:  # Muon's matrices that tp shards: gathered for Newton-Schulz
+            owners["tp"].mark_gathered(options)
         programs = make_programs(stages=stages, schedule=schedule, plan=plan, mesh=mesh, trainable=trainable)
         values = weight_values(model=model, checkpoint=checkpoint, whole=whole, seed=seed, init_fn=init_fn,
                                owners=owners, device=input_device(inputs), buffers=buffers)
@@ -392,18 +390,19 @@ def weight_values(*, model: nn.Module, checkpoint, whole: dict, seed: int, init_
     source = init if checkpoint is None else CheckpointValues(*checkpoint, init, {f: d for f, (_s, d) in whole.items()})
     rows = {f: sh.rows for f, sh in owners["ep"].shards.items()} if "ep" in owners else {}
     tp = owners.get("tp")
-    tp_rows = {f: r for f, sh in tp.shards.items() if (r := sh.row_ranges()) is not None} if tp is not None else {}
+    tp_shards = tp.shards if tp is not None else {}
 
     def values(fqns):
         if source is None:
             raise AssertionError("validate() let a meta model through without weights or an init")
         out = {f: buffers[f] for f in fqns if f in buffers}
         fqns = [f for f in fqns if f not in out]
-        for f in fqns:  # an expert shard or a tp block of whole rows: read only the rows this rank keeps
+        for f in fqns:  # an expert shard or a tp block: read only the part this rank keeps
             if f in rows and isinstance(source, CheckpointValues) and f in source.source_of:
                 out[f] = source.rows(f, rows[f])
-            elif f in tp_rows and isinstance(source, CheckpointValues) and f in source.source_of:
-                out[f] = torch.cat([source.rows(f, r) for r in tp_rows[f]])
+            elif f in tp_shards and isinstance(source, CheckpointValues) and f in source.source_of:
+                sh = tp_shards[f]
+                out[f] = torch.cat([source.rows(f, idx) for idx in sh.pieces()], sh.dim)
         for f, v in source.get([f for f in fqns if f not in out]).items():
             out[f] = v[rows[f]] if f in rows else tp.local_of(f, v).clone() if tp is not None else v
         return {f: v.to(device) for f, v in out.items()}

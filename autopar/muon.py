@@ -82,7 +82,7 @@ def shard_matrices(shapes, offsets, lo: int, n: int) -> list[tuple[int, tuple[in
 
 # parameter-group options that describe where matrices lie in this plan's shards: a checkpoint
 # neither saves nor restores them (another plan lays its shards out anew)
-LAYOUT_OPTIONS = frozenset({"muon_matrices"})
+LAYOUT_OPTIONS = frozenset({"muon_matrices", "muon_tp"})
 
 
 def whole_matrices(options: dict) -> bool:
@@ -97,6 +97,17 @@ def matrix_blocks(shape, rows: int) -> list[tuple[int, int]]:
     if rows and 0 < rows < r and r % rows == 0:
         return [(lo, lo + rows) for lo in range(0, r, rows)]
     return [(0, r)]
+
+
+def _gathered(block: torch.Tensor, group: str, shard) -> torch.Tensor:
+    """The whole matrix from every tp rank's ``block`` (``shard``: passes.tensor_parallel.TpShard
+    of this rank; ``group``: the tp process group's name)."""
+    import torch.distributed as dist
+
+    from autopar.runtime import comms
+
+    parts = comms.all_gather_dim0(block.contiguous(), dist.distributed_c10d._resolve_process_group(group))
+    return shard.whole(list(parts.chunk(shard.tp, 0)))
 
 
 class MuonAdamW(torch.optim.Optimizer):
@@ -178,16 +189,32 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             flat_p, flat_u = p.view(-1), update.reshape(-1)
+            tp = group.get("muon_tp")  # (tp group, TpShard): this rank holds a block of each matrix
             for offset, shape in self._matrices(group, i, p):
                 n = shape[0] * shape[1]
                 pm = flat_p[offset: offset + n].view(shape)
                 um = flat_u[offset: offset + n].view(shape)
+                if tp is not None:  # Newton-Schulz on the whole matrix, gathered over tp; this rank's block of it
+                    pm.mul_(1 - lr * wd)
+                    pm.add_(tp[1].local(self._orthogonalized(group, _gathered(um, *tp), lr)))
+                    continue
                 for lo, hi in matrix_blocks(shape, group["muon_rows"]):
                     o = newton_schulz(um[lo:hi], group["ns_steps"], group["ns_coefficients"], group["eps"],
                                       group["ns_dtype"])
                     block = pm[lo:hi]
                     block.mul_(1 - lr * wd)
                     block.add_(o, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], (hi - lo, shape[1])))
+
+    @staticmethod
+    def _orthogonalized(group: dict, um: torch.Tensor, lr: float) -> torch.Tensor:
+        """The step of one whole matrix's update ``um``: each block of ``muon_rows`` rows through
+        Newton-Schulz, times minus its adjusted learning rate."""
+        out = torch.empty_like(um)
+        for lo, hi in matrix_blocks(tuple(um.shape), group["muon_rows"]):
+            out[lo:hi] = newton_schulz(um[lo:hi], group["ns_steps"], group["ns_coefficients"], group["eps"],
+                                       group["ns_dtype"]) * -adjusted_lr(lr, group["adjust_lr_fn"],
+                                                                         (hi - lo, um.shape[1]))
+        return out
 
     def _adamw(self, group: dict) -> None:
         """``torch.optim.AdamW``'s update: torch's functional Adam with decoupled weight decay

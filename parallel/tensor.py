@@ -13,6 +13,7 @@ activation's gradient whole), so they need nothing here.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -68,6 +69,15 @@ class TensorParallel(Parallelism):
                  "tokens; %d value(s) gathered whole for replicated readers, %d sum(s) left all-reduces",
                  sp.scattered, sp.gathered, sp.gathers, sp.kept)
         return sp.captured
+
+    def mark_gathered(self, options: dict) -> None:
+        """Muon's sharded matrices (``options[fqn]["muon"]``): ``muon_tp`` = (the tp group, the
+        shard), so its step all-gathers each matrix's update over tp, runs Newton-Schulz on the
+        whole matrix (every tp rank the same) and keeps this rank's block (autopar/muon.py)."""
+        name = self.mesh.tp_group.group_name
+        for f, sh in self.shards.items():
+            if options.get(f, {}).get("muon"):
+                options[f] = {**options[f], "muon_tp": (name, replace(sh, fqn=""))}
 
     def local_of(self, fqn: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's block of a whole value (the value itself when ``fqn`` is not sharded)."""

@@ -203,10 +203,11 @@ class TpShard:
         """This rank's block of a whole value (of a packed one: its block of each part, in order)."""
         return torch.cat([whole.narrow(self.dim, a, n) for a, _l, n in self.blocks()], self.dim)
 
-    def row_ranges(self) -> list[slice] | None:
-        """The rows of dim 0 this rank's block is made of, in order (one per packed part), or
-        None when the block is not whole rows (sharded along another dim)."""
-        return [slice(a, a + n) for a, _l, n in self.blocks()] if self.dim == 0 else None
+    def pieces(self) -> list[tuple[slice, ...]]:
+        """The index of each piece of the whole tensor this rank's block is made of, in order
+        (one per packed part), concatenated along ``dim``: what a meta build reads from a file
+        (rows for dim 0, a strided block of columns for dim 1)."""
+        return [(slice(None),) * self.dim + (slice(a, a + n),) for a, _l, n in self.blocks()]
 
     def whole_boxes(self, offsets: tuple, sizes: tuple, t: torch.Tensor) -> list[tuple[tuple, tuple, torch.Tensor]]:
         """A box of this rank's block (``offsets``, ``sizes`` in the block's coordinates, data

@@ -269,6 +269,10 @@ class UnitKind:
                        time_scale=1.0 - sh.flops + sh.flops / tp,
                        tp_comm=(sh.reduces - n_rs, sh.reduce_bytes - rs_bytes, tp),
                        sp_comm=(n_rs, rs_bytes, n_ag, ag_bytes), tp_shares=(),
+                       # Muon's momentum is held per block; its Newton-Schulz runs on the whole
+                       # matrix on every tp rank (gathered: autopar/muon.py), so its FLOPs stay
+                       muon_params=self.muon_params - min(sh.params, self.muon_params - self.muon_expert_params)
+                       * (1 - 1 / tp),
                        # a vocabulary-parallel chunked loss: each rank's chunk holds its classes only
                        loss_chunk_row_bytes=self.loss_chunk_row_bytes / tp if sh.params else self.loss_chunk_row_bytes,
                        loss_fixed_bytes=self.loss_fixed_bytes / tp if sh.params else self.loss_fixed_bytes)

@@ -225,8 +225,9 @@ class CheckpointValues(Values):
             out.update(self.fallback.get(rest))
         return out
 
-    def rows(self, fqn: str, rows: slice) -> torch.Tensor | None:
-        """Rows of dim 0 of a checkpoint tensor, reading only them (None if not stored)."""
+    def rows(self, fqn: str, rows: slice | tuple) -> torch.Tensor | None:
+        """A block of a checkpoint tensor (rows of dim 0, or an index tuple of slices: a strided
+        block of columns), reading only it (None if not stored)."""
         name = self.source_of.get(fqn)
         return None if name is None else self.reader.read(name, rows).to(self.dtypes[fqn])
 

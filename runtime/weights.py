@@ -32,8 +32,9 @@ INDEX = "model.safetensors.index.json"
 
 
 class CheckpointReader:
-    """Names, shapes and dtypes of a checkpoint's tensors, and reads of single tensors or rows
-    of dim 0; ``bytes_read`` counts the bytes of every tensor (or rows) read so far."""
+    """Names, shapes and dtypes of a checkpoint's tensors, and reads of single tensors or blocks
+    of them (``rows``: a slice of dim 0, or a tuple of slices); ``bytes_read`` counts the bytes of
+    every tensor (or block) read so far."""
 
     def __init__(self, meta: dict[str, tuple[tuple[int, ...], torch.dtype]], describe: str):
         self.meta = meta

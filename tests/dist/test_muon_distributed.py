@@ -23,10 +23,13 @@ MATRIX = {
     2: [("zero1", "gpt3", dict(dp=2, num_microbatches=2, zero=1)),
         ("zero2", "gpt", dict(dp=2, num_microbatches=2, zero=2)),
         ("zero3", "gpt", dict(dp=2, num_microbatches=2, zero=3)),
-        ("dp2 x ep2 mixtral", "mixtral", dict(dp=2, ep=2, num_microbatches=2, zero=1))],
+        ("dp2 x ep2 mixtral", "mixtral", dict(dp=2, ep=2, num_microbatches=2, zero=1)),
+        # tensor parallelism: each sharded matrix gathered over tp for Newton-Schulz (GPT: packed q/k/v)
+        ("tp2", "gpt", dict(tp=2, num_microbatches=2))],
     4: [("pp2 x dp2 zbv zero1", "gpt", dict(pp=2, dp=2, schedule="zbv", num_microbatches=4, zero=1)),
         # expert shards ZeRO-3-sharded over their 2-rank expert-data-parallel group, whole matrices each
-        ("dp4 x ep2 zero3 moe", "moe_ep", dict(dp=4, ep=2, num_microbatches=2, zero=3))],
+        ("dp4 x ep2 zero3 moe", "moe_ep", dict(dp=4, ep=2, num_microbatches=2, zero=3)),
+        ("dp2 x tp2 zero2", "llama", dict(dp=2, tp=2, num_microbatches=2, zero=2))],
 }
 
 
