@@ -1,7 +1,8 @@
 """Issue 37 V1 under context parallelism: packed rows (``autopar.data.pack``) through a causal
 LM's own loss from labels equal their documents run one at a time in eager PyTorch (loss 1e-5,
 every gradient 1e-4, read off one SGD step at lr 1), at cp=2 and pp=2 x cp=2 (zbv), on HF Llama,
-HF Mistral (a sliding window shorter than the documents) and this repository's GPT.
+HF Mistral (a sliding window shorter than the documents) and this repository's GPT; and under
+tensor parallelism with sequence parallelism: tp=2 (GPT, HF Llama) and cp=2 x tp=2 (HF Llama).
 
 What it takes: the per-document mask derived in the graph from ``position_ids`` (a running sum
 over the positions) is rebuilt over the whole sequence on every cp rank, never from a shard
@@ -23,6 +24,11 @@ pytestmark = pytest.mark.slow
 
 MODELS = ("gpt", "llama", "mistral")
 PLANS = {2: dict(cp=2, num_microbatches=2), 4: dict(pp=2, cp=2, schedule="zbv", num_microbatches=4)}
+# packed rows under tensor parallelism too (the mask stays replicated; the heads are sharded): tp=2
+# with sequence parallelism, and cp=2 x tp=2
+TP_PLANS = {2: dict(tp=2, sequence_parallel=True, num_microbatches=2),
+            4: dict(cp=2, tp=2, sequence_parallel=True, num_microbatches=2)}
+TP_MODELS = {2: ("gpt", "llama"), 4: ("llama",)}  # (GPT's 2 heads cannot go over cp x tp = 4)
 
 
 def _docs():
@@ -52,12 +58,12 @@ def _run(rank, world, names):
 
     out = []
     _docs_, batch = _docs()
-    for name in names:
+    for name, plan in [(n, PLANS[world]) for n in names] + [(n, TP_PLANS[world]) for n in TP_MODELS[world]]:
         try:
             model = _model(name)
             before = {n: p.detach().clone() for n, p in model.named_parameters()}
             pm = autopar.parallelize(model, batch, loss_fn=None, optimizer=functools.partial(torch.optim.SGD, lr=1.0),
-                                     plan=autopar.Plan(**PLANS[world]), timeout=60)
+                                     plan=autopar.Plan(**plan), timeout=60)
             loss = pm.step(batch, None)
             state = pm.state_dict()
             out.append({"loss": loss, "change": {n: before[n] - state[n] for n in before}})
@@ -73,7 +79,7 @@ def test_packed_rows_under_context_parallel_equal_documents_run_separately(world
     per_rank = run_shared(_run, world, MODELS, deadline_s=600, reuse=False)
     docs, _batch = _docs()
     failures = []
-    for i, name in enumerate(MODELS):
+    for i, (name, plan) in enumerate([(n, PLANS[world]) for n in MODELS] + [(n, TP_PLANS[world]) for n in TP_MODELS[world]]):
         try:
             want_loss, want_grads = _separate(_model(name), docs)
             for r in range(world):
@@ -83,5 +89,5 @@ def test_packed_rows_under_context_parallel_equal_documents_run_separately(world
                 for n, grad in want_grads.items():
                     torch.testing.assert_close(res["change"][n], grad, rtol=1e-4, atol=1e-6, msg=f"rank {r} {n}")
         except AssertionError as e:
-            failures.append(f"{name}: {e}")
+            failures.append(f"{name} {plan}: {e}")
     assert not failures, "\n".join(failures)
