@@ -161,7 +161,7 @@ def _program(gm: fx.GraphModule) -> Program:
 
 TP_DEGREES = (2, 4, 8)  # the tensor-parallel degrees the planner searches (within one node)
 TP_WORTH = 0.25         # the least share of parameters tp must shard to be searched (shards_at) ...
-TP_EFFICIENCY = 0.6     # ... or the least share of each GPU's time it can keep useful
+TP_EFFICIENCY = 2 / 3   # ... or the least share of each GPU's time it can keep useful
 
 
 @dataclass(frozen=True)
@@ -473,8 +473,9 @@ class ModelProfile:
         them (each runs the unsharded rest whole); searched where that is at least
         ``TP_EFFICIENCY``, or where it shards at least ``TP_WORTH`` of the parameters (it may fit
         a model nothing else fits). MoE models whose experts it leaves to expert parallelism
-        (GLM-5, DeepSeek-V3: their attention, about 45% of the time at 4096 tokens, 2% of the
-        parameters) are searched at tp=2 only. ``--pin tp=`` prices any degree."""
+        (GLM-5, DeepSeek-V3: their latent attention, 45-49% of the time at 4096 tokens, 2% of the
+        parameters: 64-66% at tp=2) are not searched; at longer sequences, where attention weighs
+        more, they are. ``--pin tp=`` prices any degree."""
         flops = sum(u.kind.f.total_flops for u in self.units) or 1.0
         params = self.total_params or 1
         time = sum(sh.flops * u.kind.f.total_flops for u in self.units if (sh := u.kind.tp_share(tp)) is not None)

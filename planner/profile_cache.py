@@ -156,6 +156,41 @@ def store(key: str, profile, verdicts: dict) -> str | None:
     return path
 
 
+def _table_path(name: str) -> str:
+    from .devices import cache_dir
+
+    return os.path.join(cache_dir(), "tables", f"{name}-{_autopar_digest()[:16]}.pkl")
+
+
+def load_table(name: str) -> dict:
+    """A table of pure results of autopar's code (``name``: say, the schedules' in-flight counts
+    by (schedule, pp, m, v)) as the last run of the same code left it; {} when there is none.
+    The file name carries the code's digest: another version of autopar never reads it."""
+    try:
+        with open(_table_path(name), "rb") as f:
+            table = pickle.load(f)
+        return table if isinstance(table, dict) else {}
+    except Exception:  # noqa: BLE001 - missing or unreadable: computed again
+        return {}
+
+
+def store_table(name: str, table: dict) -> None:
+    """Write ``table`` for the next run of the same code (tables of other code versions go)."""
+    path = _table_path(name)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(table, f, protocol=pickle.HIGHEST_PROTOCOL)
+        os.replace(tmp, path)
+        folder, mine = os.path.dirname(path), os.path.basename(path)
+        for fn in os.listdir(folder):
+            if fn.startswith(f"{name}-") and fn.endswith(".pkl") and fn != mine:
+                os.remove(os.path.join(folder, fn))
+    except OSError as e:
+        log.warning("autopar: could not write the table cache %s: %s", path, e)
+
+
 def _prune(folder: str, keep: int = KEEP) -> None:
     """Remove all but the ``keep`` most recently written profiles of ``folder`` (every change to
     autopar's code starts new keys: the old ones would pile up)."""

@@ -25,6 +25,7 @@ from typing import Callable
 
 from autopar.schedules import registry
 
+from . import profile_cache
 from .estimate import (
     DEFAULT_MOE_IMBALANCE,
     Estimate,
@@ -461,6 +462,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
         for c in feas[1:]:
             c.reason = f"{(c.time / chosen.time - 1) * 100:.1f}% slower ({c.time:.4g} s vs {chosen.time:.4g} s)"
+    _save_inflight()
     return PlanResult(chosen=chosen, candidates=cands + rejected, evaluator=ev, request=req,
                       search_s=time.perf_counter() - t0, solver_s=solver_s, ilp_runs=ilp_runs)
 
@@ -485,6 +487,12 @@ def _inflight(lay: Layout) -> tuple[float, float]:
     return _inflight_of(lay.schedule, lay.pp, lay.m, lay.v)
 
 
+# _inflight_of's values by (schedule, pp, m, v), kept on disk between runs of the same code
+# (profile_cache.load_table): building the schedules' frontiers is most of a large search's screen
+_INFLIGHT: dict = {}
+_INFLIGHT_STATE = {"loaded": False, "new": False}
+
+
 @lru_cache(maxsize=65536)
 def _inflight_of(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     """(mean over ranks of the most stage-microbatches a rank holds at once, stage 0's left
@@ -492,6 +500,23 @@ def _inflight_of(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     it is steady (no build beyond warm-up); for the greedy v-half / zb-h2 orders, which are
     built per m, the bound every schedule meets: the first microbatch's F on each of a rank's
     stages before any of their backwards."""
+    if not _INFLIGHT_STATE["loaded"]:
+        _INFLIGHT.update(profile_cache.load_table("inflight"))
+        _INFLIGHT_STATE["loaded"] = True
+    key = (schedule, pp, m, v)
+    if key not in _INFLIGHT:
+        _INFLIGHT[key] = _inflight_counts(schedule, pp, m, v)
+        _INFLIGHT_STATE["new"] = True
+    return _INFLIGHT[key]
+
+
+def _save_inflight() -> None:
+    if _INFLIGHT_STATE["new"]:
+        profile_cache.store_table("inflight", _INFLIGHT)
+        _INFLIGHT_STATE["new"] = False
+
+
+def _inflight_counts(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     from autopar.schedules.registry import layout as stage_layout
 
     if pp == 1:

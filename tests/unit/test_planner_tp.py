@@ -96,7 +96,7 @@ def test_tp_is_searched_where_it_shards_a_real_share(llama8b):
     """A dense decoder: the layers' linears, ~all of its FLOPs and parameters: searched at every
     degree. Mixtral: tp shards its attention only (the experts are left to expert parallelism),
     a few percent of its parameters and 14% of its time at 256 tokens: 2 tp ranks would keep at
-    best 1 / (2 * 0.86 + 0.14) = 54% of their time useful, under ``TP_EFFICIENCY``; tp could
+    best 1 / (2 * 0.86 + 0.14) = 54% of their time useful, under ``TP_EFFICIENCY`` (2/3); tp could
     neither speed a step up nor fit it, and is not searched (``ModelProfile.shards_at``); a
     pinned degree is priced all the same."""
     assert all(llama8b.shards_at(t) for t in (2, 4, 8))
