@@ -143,14 +143,7 @@ def store(key: str, profile, verdicts: dict) -> str | None:
         chunked = replace(chunked, captured=None, unit_timer=None, chunked=None, tp_variants={})
     entry = {"format": FORMAT, "key": key, "cp_verdicts": merged,
              "profile": replace(profile, captured=None, unit_timer=None, chunked=chunked, tp_variants={})}
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump(entry, f, protocol=pickle.HIGHEST_PROTOCOL)
-        os.replace(tmp, path)
-    except OSError as e:
-        log.warning("autopar: could not write the profile cache %s: %s", path, e)
+    if not _write(path, entry, "profile cache"):
         return None
     _prune(os.path.dirname(path))
     return path
@@ -177,18 +170,30 @@ def load_table(name: str) -> dict:
 def store_table(name: str, table: dict) -> None:
     """Write ``table`` for the next run of the same code (tables of other code versions go)."""
     path = _table_path(name)
+    if not _write(path, table, "table cache"):
+        return
+    folder, mine = os.path.dirname(path), os.path.basename(path)
+    try:
+        for fn in os.listdir(folder):
+            if fn.startswith(f"{name}-") and fn.endswith(".pkl") and fn != mine:
+                os.remove(os.path.join(folder, fn))
+    except OSError:
+        pass
+
+
+def _write(path: str, obj, what: str) -> bool:
+    """Pickle ``obj`` to ``path`` atomically (a temporary file, then a rename); False, with a
+    warning, when it cannot be written."""
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
-            pickle.dump(table, f, protocol=pickle.HIGHEST_PROTOCOL)
+            pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, path)
-        folder, mine = os.path.dirname(path), os.path.basename(path)
-        for fn in os.listdir(folder):
-            if fn.startswith(f"{name}-") and fn.endswith(".pkl") and fn != mine:
-                os.remove(os.path.join(folder, fn))
+        return True
     except OSError as e:
-        log.warning("autopar: could not write the table cache %s: %s", path, e)
+        log.warning("autopar: could not write the %s %s: %s", what, path, e)
+        return False
 
 
 def _prune(folder: str, keep: int = KEEP) -> None:
