@@ -257,6 +257,8 @@ def apply_sequence_parallel(captured: CapturedGraph, tp: int, group) -> Sequence
 
     with fake_mode:
         for node in list(graph.nodes):
+            for a in plan.gathers.get(node, ()):  # (also a source's own token-sharded inputs)
+                node.replace_input_with(a, wrap(GATHER, a, dims[a], node))
             if node in plan.sources:  # cut where it is made: every reader reads the rank's block
                 users = list(node.users)
                 cut = wrap(SPLIT, node, plan.sources[node], node.next)
@@ -271,8 +273,6 @@ def apply_sequence_parallel(captured: CapturedGraph, tp: int, group) -> Sequence
                 node.target, node.args = ALL_GATHER, (node.args[0], group_name, dims[node.args[0]], tp)
                 refresh_val(node)
                 continue
-            for a in plan.gathers.get(node, ()):
-                node.replace_input_with(a, wrap(GATHER, a, dims[a], node))
             if node not in dims or node.op != "call_function":
                 continue
             cut = dict(plan.splits.get(node, ()))
