@@ -68,7 +68,7 @@ def _chunks(n: int, chunk: int):
     return [(i, min(i + step, n)) for i in range(0, n, step)]
 
 
-def _picked(z: torch.Tensor, target: torch.Tensor, ignore_index: int,
+def target_columns(z: torch.Tensor, target: torch.Tensor, ignore_index: int,
             start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(valid tokens, each token's target column in ``z``, 0 where it is not there; the tokens
     whose target is a column of ``z``: ``z`` holds the classes [start, start + its width))."""
@@ -78,10 +78,26 @@ def _picked(z: torch.Tensor, target: torch.Tensor, ignore_index: int,
     return valid, torch.where(hit, local, torch.zeros_like(local)), hit
 
 
-def _grad_logits(p, z, target_c, ignore_index, trail, scale=None, start: int = 0) -> torch.Tensor:
+def sharded_lse(zf: torch.Tensor, col: torch.Tensor, hit: torch.Tensor, pg=None):
+    """(each row's log-sum-exp, its target logit, exp(z - row max), the row sums of that) of the
+    fp32 logits ``zf`` whose classes may be sharded over the process group ``pg``: the row max
+    all-reduced (MAX), then the sums and the target logits (``col`` where ``hit``) in one SUM.
+    The exponentials are one fp32 buffer the caller may overwrite."""
+    m = zf.amax(dim=-1)
+    if pg is not None:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+    p = zf - m[:, None]
+    p.exp_()
+    both = torch.stack([p.sum(dim=-1), torch.where(hit, zf.gather(1, col[:, None]).squeeze(1), 0.0)])
+    if pg is not None:
+        dist.all_reduce(both, group=pg)
+    return m + both[0].log(), both[1], p, both[0]
+
+
+def logits_grad(p, z, target_c, ignore_index, trail, scale=None, start: int = 0) -> torch.Tensor:
     """d loss_tok / d (head output) of one chunk from its probabilities ``p`` (fp32, overwritten),
     times ``scale`` per token (None: 1), in the head's dtype."""
-    valid, col, hit = _picked(z, target_c, ignore_index, start)
+    valid, col, hit = target_columns(z, target_c, ignore_index, start)
     p.scatter_add_(1, col[:, None], -hit.to(p.dtype)[:, None])
     p.mul_((valid.to(p.dtype) if scale is None else torch.where(valid, scale.float(), 0.0))[:, None])
     return _epilogue_backward(p.to(z.dtype), trail)
@@ -108,18 +124,9 @@ def _forward(h, weight, bias, target, ignore_index, chunk, ops, values, group: s
     for a, b in _chunks(n, chunk):
         z, trail = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
         zf = z.float()
-        valid, col, hit = _picked(z, target[a:b], ignore_index, start)
+        valid, col, hit = target_columns(z, target[a:b], ignore_index, start)
         if fast or pg is not None:
-            m = zf.amax(dim=-1)
-            if pg is not None:
-                dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
-            p = zf - m[:, None]
-            p.exp_()  # one fp32 [chunk, vocab] buffer: exp(z - max), unnormalized
-            both = torch.stack([p.sum(dim=-1), torch.where(hit, zf.gather(1, col[:, None]).squeeze(1), 0.0)])
-            if pg is not None:
-                dist.all_reduce(both, group=pg)
-            total, picked = both[0], both[1]
-            lse_c = m + total.log()
+            lse_c, picked, p, total = sharded_lse(zf, col, hit, pg)
             if fast:
                 z0 = trail[0][2] if trail else z  # the head's output, in its dtype
                 # ((p / total - onehot) * valid) @ W, the one-hot part as rows of W
@@ -129,13 +136,13 @@ def _forward(h, weight, bias, target, ignore_index, chunk, ops, values, group: s
                 del z0
             else:
                 p.div_(total[:, None])
-                gh = _grad_logits(p, z, target[a:b], ignore_index, trail, start=start) @ weight
+                gh = logits_grad(p, z, target[a:b], ignore_index, trail, start=start) @ weight
         else:
             lse_c = torch.logsumexp(zf, dim=-1)
             picked = zf.gather(1, col[:, None]).squeeze(1)
             p = zf - lse_c[:, None]
             p.exp_()  # in place: one [chunk, vocab] fp32 buffer for the probabilities and their gradient
-            gh = _grad_logits(p, z, target[a:b], ignore_index, trail) @ weight
+            gh = logits_grad(p, z, target[a:b], ignore_index, trail) @ weight
         loss[a:b] = torch.where(valid, lse_c - picked, 0.0)
         lse[a:b] = lse_c
         grad_h[a:b] = gh
@@ -158,7 +165,7 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
         if fast:
             # sum_i scale_i (p_i - onehot_i)^T h_i: the token scales on the [chunk, d] rows of h,
             # the one-hot part added into the target rows
-            valid, col, hit = _picked(z, target[a:b], ignore_index, start)
+            valid, col, hit = target_columns(z, target[a:b], ignore_index, start)
             scale = torch.where(valid, grad_tok[a:b].float(), 0.0)
             z0 = trail[0][2] if trail else z
             rows = h[a:b] * scale[:, None].to(h.dtype)
@@ -171,7 +178,7 @@ def _grad_weight(grad_tok, h, weight, bias, target, lse, ignore_index, chunk, op
                 gb.index_add_(0, col, -scale * hit)
             del p, g
             continue
-        g = _grad_logits(p, z, target[a:b], ignore_index, trail, grad_tok[a:b], start)
+        g = logits_grad(p, z, target[a:b], ignore_index, trail, grad_tok[a:b], start)
         del z, trail, p
         if gw.dtype == g.dtype:
             gw.addmm_(g.t(), h[a:b])

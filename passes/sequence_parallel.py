@@ -51,6 +51,7 @@ from .tensor_parallel import (
     _val,
     _where,
     graded,
+    is_elementwise,
     localize,
     new_node,
     refresh_val,
@@ -143,11 +144,6 @@ def token_dim(val: torch.Tensor, tp: int) -> int | None:
     return next((d for d in range(val.dim() - 1) if val.shape[d] % tp == 0 and val.shape[d] >= tp), None)
 
 
-def _elementwise(node: fx.Node) -> bool:
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t == aten.where.self
-
-
 @dataclass
 class Placement:
     dims: dict       # node -> token dim (int; a tuple for tuple results)
@@ -171,7 +167,7 @@ def _place(plan: Placement, node: fx.Node, tp: int) -> None:
     try:
         if node.op == "output":
             raise _NoRule("the graph's output")
-        if _elementwise(node):
+        if is_elementwise(node):
             cut = replicated_reads(node, dims)
             d = _rule(node, {**dims, **dict(cut)}, tp)
             if cut:

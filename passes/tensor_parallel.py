@@ -39,6 +39,8 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from autopar import linear_ce
+
 from .captured import CapturedGraph
 from .costs import is_random
 from .provenance import module_path, op_name, source_of
@@ -95,20 +97,12 @@ def _vocab_ce(logits: torch.Tensor, target: torch.Tensor, group: str, start: int
               reduction: int):
     """(the loss, each row's log-sum-exp) of the cross-entropy of rows whose classes are sharded:
     this rank holds classes [start, start + V/tp); max, sum of exponentials and the target's logit
-    are reduced over the tp group in fp32, so the logits are never gathered."""
-    pg = dist.distributed_c10d._resolve_process_group(group)
-    x = logits.float()
-    m = x.amax(-1)
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
-    se = (x - m[:, None]).exp().sum(-1)
-    local = target - start
-    inside = (local >= 0) & (local < x.shape[-1])
-    picked = torch.where(inside, x.gather(-1, local.clamp(0, x.shape[-1] - 1)[:, None]).squeeze(-1), 0.0)
-    both = torch.stack([se, picked])
-    dist.all_reduce(both, group=pg)
-    lse = m + both[0].log()
-    valid = target != ignore_index
-    per = torch.where(valid, lse - both[1], 0.0)
+    are reduced over the tp group in fp32 (``linear_ce.sharded_lse``), so the logits are never
+    gathered."""
+    valid, col, hit = linear_ce.target_columns(logits, target, ignore_index, start)
+    lse, picked, _p, _total = linear_ce.sharded_lse(logits.float(), col, hit,
+                                                     dist.distributed_c10d._resolve_process_group(group))
+    per = torch.where(valid, lse - picked, 0.0)
     loss = per if reduction == 0 else per.sum() if reduction == 2 else per.sum() / valid.sum()
     return loss.to(logits.dtype), lse
 
@@ -137,10 +131,7 @@ def vocab_cross_entropy_backward(grad: torch.Tensor, logits: torch.Tensor, targe
     g = grad.float()
     scale = g if reduction == 0 else g.expand(target.shape) / (valid.sum() if reduction == 1 else 1)
     p = (logits.float() - lse[:, None]).exp()
-    local = target - start
-    inside = (local >= 0) & (local < logits.shape[-1])
-    p.scatter_add_(-1, local.clamp(0, logits.shape[-1] - 1)[:, None], -inside.to(p.dtype)[:, None])
-    return (p * torch.where(valid, scale, 0.0)[:, None]).to(logits.dtype)
+    return linear_ce.logits_grad(p, logits, target, ignore_index, [], scale, start)
 
 
 @vocab_cross_entropy_backward.register_fake
@@ -280,41 +271,24 @@ def _where(node: fx.Node) -> str:
     return f"{node.name}" + (f" in {path}" if path else "") + (f" ({src})" if src else "")
 
 
-def _broadcast_dim(node: fx.Node, dims: dict, tp: int) -> int:
-    """The output dim every sharded input of an element-wise op maps to (inputs aligned from the
-    right, as broadcasting does); a replicated input must broadcast along it (size 1 or absent)."""
-    out = _val(node)
-    ndim = out.dim()
-    target = None
-    for a in _tensor_args(node):
-        if a in dims:
-            d = dims[a] + ndim - _val(a).dim()
-            if target is not None and d != target:
-                raise _NoRule(f"inputs sharded along different dims ({target} and {d})")
-            if _val(a).shape[dims[a]] != out.shape[d]:
-                raise _NoRule("a sharded input is broadcast along its sharded dim")
-            target = d
-    for a in _tensor_args(node):
-        if a not in dims:
-            v = _val(a)
-            i = target - (ndim - v.dim())
-            if 0 <= i < v.dim() and v.shape[i] != 1:
-                raise _NoRule(f"a replicated input ({a.name}, shape {tuple(v.shape)}) is read along the sharded "
-                              f"dim {target}")
-    return target
+def is_elementwise(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t == aten.where.self
 
 
-def replicated_reads(node: fx.Node, dims: dict) -> list[tuple[fx.Node, int]]:
-    """An element-wise op with a sharded input: (replicated input, its dim) for each replicated
-    input it reads whole along the sharded dim (to cut to the rank's block: the op then reads
-    only the block it needs), or _NoRule when the inputs disagree."""
+def _pointwise(node: fx.Node, dims: dict) -> tuple[int, list[tuple[fx.Node, int]]]:
+    """An element-wise op with a sharded input: (the output dim every sharded input maps to,
+    inputs aligned from the right as broadcasting does; (replicated input, its dim) for each
+    replicated input read whole along that dim), or _NoRule when the inputs disagree."""
     out = _val(node)
     target = None
     for a in _tensor_args(node):
         if a in dims:
             d = dims[a] + out.dim() - _val(a).dim()
-            if target not in (None, d) or _val(a).shape[dims[a]] != out.shape[d]:
-                raise _NoRule("inputs sharded along different dims, or one broadcast along its sharded dim")
+            if target is not None and d != target:
+                raise _NoRule(f"inputs sharded along different dims ({target} and {d})")
+            if _val(a).shape[dims[a]] != out.shape[d]:
+                raise _NoRule("a sharded input is broadcast along its sharded dim")
             target = d
     cut = []
     for a in _tensor_args(node):
@@ -326,7 +300,13 @@ def replicated_reads(node: fx.Node, dims: dict) -> list[tuple[fx.Node, int]]:
                     raise _NoRule(f"a replicated input ({a.name}, shape {tuple(v.shape)}) is broadcast along the "
                                   f"sharded dim {target}")
                 cut.append((a, i))
-    return cut
+    return target, cut
+
+
+def replicated_reads(node: fx.Node, dims: dict) -> list[tuple[fx.Node, int]]:
+    """The replicated inputs an element-wise op with a sharded input reads whole along the
+    sharded dim, (input, its dim) each: cut to the rank's block, the op reads only what it needs."""
+    return _pointwise(node, dims)[1]
 
 
 def narrowed(node: fx.Node, dims: dict, tp: int) -> list[tuple[fx.Node, int, int]]:
@@ -339,7 +319,7 @@ def narrowed(node: fx.Node, dims: dict, tp: int) -> list[tuple[fx.Node, int, int
     blocks = tp; SDPA's ``enable_gqa``: the rank's query heads read ``Hkv / min(Hkv, tp)`` key/value
     heads, one when Hkv < tp, as Megatron replicates them)."""
     t = node.target
-    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t == aten.where.self:
+    if is_elementwise(node):
         return [(a, i, tp) for a, i in replicated_reads(node, dims)]
     if t in _SDPA:
         q = node.args[0]
@@ -421,8 +401,11 @@ def _rule(node: fx.Node, dims: dict, tp: int):
         if t == aten.view_as_complex.default and xd == _val(x).dim() - 1:
             raise _NoRule("view_as_complex of the sharded (real, imaginary) dim")
         return xd
-    if isinstance(t, torch._ops.OpOverload) and torch.Tag.pointwise in t.tags or t in (aten.where.self,):
-        return _broadcast_dim(node, dims, tp)
+    if is_elementwise(node):
+        d, cut = _pointwise(node, dims)
+        if cut:  # (narrowed() cuts them first; a caller that does not, keeps the region replicated)
+            raise _NoRule(f"a replicated input ({cut[0][0].name}) is read along the sharded dim {d}")
+        return d
     if t in _VIEWS:
         return _view_dim(_val(x).shape, out.shape, xd, tp)
     if t == aten.expand.default:
