@@ -26,9 +26,11 @@ sequence, or the batch when tp divides it), and
 Bytes: a reduce-scatter plus an all-gather move what one all-reduce moves, so the collectives
 cost the same; what changes is memory: the token-sharded regions' saved activations, and a
 pipeline stage boundary inside one, are 1/tp. The all-gathered column input is what the column
-linears save for their weight gradients: this pass keeps it (``[B, S, H]`` per column input,
-two per transformer layer) rather than gathering it again in W, so W still never communicates
-(zero-bubble schedules move W into bubbles; a W that waits on a collective would not fill them).
+linears read for their weight gradients: F keeps only the rank's block and I all-gathers it again
+(split_backward._regather_column_inputs, as Megatron-LM does), so W, which reads what I gathered,
+still never communicates (zero-bubble schedules move W into bubbles; a W that waits on a
+collective would not fill them). Cost: one more all-gather per column input and microbatch in I;
+saving: ``[B, S, H] (1 - 1/tp)`` per column input (two per transformer layer) from F to I.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import keys, moe_dispatch, sequence_parallel, tensor_parallel
-from .costs import annotate_costs, graph_flops, is_random, value_bytes
+from .costs import annotate_costs, graph_flops, is_random, is_view, value_bytes
 from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
 from .split_stages import StageGraph
@@ -130,6 +130,8 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     for n in kept:  # ... but its experts keep only their input rows, and I runs them again
         if n.target is moe_dispatch.FORWARD_OPS[1]:
             n.args = tuple(n.args[:5]) + (True,)
+    if not recompute:
+        _regather_column_inputs(joint, fwd_set)
     # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
     reduces = [n for n in joint.graph.nodes if (n.target is tensor_parallel.REDUCE or n.target in
@@ -275,6 +277,42 @@ def _never_recomputed(fwd_set: set[fx.Node]) -> set[fx.Node]:
     communicate and keep the routed rows outside the graph) and the results taken from them."""
     ops = {n for n in fwd_set if moe_dispatch.is_dispatch_node(n)}
     return ops | {u for n in ops for u in n.users if u.target is operator.getitem}
+
+
+def _regather_column_inputs(joint: fx.GraphModule, fwd_set: set[fx.Node]) -> None:
+    """Sequence parallelism: the backward reads a column input gathered again, not the forward's.
+
+    A column linear's weight gradient needs its whole input, which the forward all-gathered from
+    the token-sharded blocks (``sp_all_gather``). Kept from F to the backward it would cost
+    ``[B, S, H]`` per column input; instead F keeps the rank's block (1/tp) and the backward
+    all-gathers it again (Megatron-LM does the same), with the views the forward took of it. The
+    copy is a collective of the backward, so I runs it (``split_backward``'s I roots) and W, which
+    reads its result, never communicates."""
+    graph = joint.graph
+    order = {n: k for k, n in enumerate(graph.nodes)}
+    for g in [n for n in graph.nodes if n.target is sequence_parallel.ALL_GATHER and n in fwd_set]:
+        chain, stack = [], [g]  # the all-gather and the forward's views of it
+        while stack:
+            n = stack.pop()
+            chain.append(n)
+            stack += [u for u in n.users if u in fwd_set and (is_view(u) or u.target is aten.reshape.default)
+                      and u.all_input_nodes == [n]]
+        readers = {c: [u for u in c.users if u not in fwd_set] for c in chain}
+        first = min((u for us in readers.values() for u in us), key=order.__getitem__, default=None)
+        if first is None:
+            continue
+        again: dict[fx.Node, fx.Node] = {}
+        with graph.inserting_before(first):
+            for c in sorted(chain, key=order.__getitem__):
+                again[c] = graph.node_copy(c, lambda a: again.get(a, a))
+        for c, us in readers.items():
+            for u in us:
+                u.replace_input_with(c, again[c])
+        for c in sorted(chain[1:], key=order.__getitem__, reverse=True):  # views no backward reader needed
+            if not again[c].users:
+                graph.erase_node(again[c])
+    graph.lint()
+    joint.recompile()
 
 
 def _ancestors(nodes, stop=frozenset()) -> set[fx.Node]:

@@ -184,14 +184,17 @@ class TpShare:
     attention: bool                 # its attention is sharded by heads (Ulysses' volume per rank / tp)
     sharded: tuple[tuple[str, int], ...] = ()  # (parameter FQN relative to the unit, shard dim)
     # with sequence parallelism (passes/sequence_parallel.py, which the planner always prices
-    # with tp): the share of the forward's value bytes token-sharded (1/tp each; the column
-    # inputs it all-gathers are kept whole), the row sums reduce-scattered and the column inputs
-    # all-gathered (count, full bytes; the backward runs the reverse collectives, in I), and the
-    # share of the unit's input and output bytes token-sharded (pipeline boundaries)
+    # with tp): the share of the forward's value bytes token-sharded (1/tp each), the row sums
+    # reduce-scattered and the column inputs all-gathered (count, full bytes; the backward runs
+    # the reverse collectives, in I, and all-gathers each column input again for its weight
+    # gradient: F keeps the rank's block, passes/split_backward._regather_column_inputs), the
+    # share of those column inputs (of ``sequence``: whole again from I to W), and the share of
+    # the unit's input and output bytes token-sharded (pipeline boundaries)
     sequence: float = 0.0
     scatters: tuple[int, float] = (0, 0.0)
     gathers: tuple[int, float] = (0, 0.0)
     boundary: tuple[float, float] = (0.0, 0.0)
+    regathered: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -258,11 +261,12 @@ class UnitKind:
             return self
         cut = sh.activations + sh.sequence
         keep = 1.0 - cut + cut / tp
+        after_i = keep + sh.regathered * (1.0 - 1.0 / tp)  # W reads the column inputs I gathered again
         b_in, b_out = (1.0 - b + b / tp for b in sh.boundary)
         (n_rs, rs_bytes), (n_ag, ag_bytes) = sh.scatters, sh.gathers
         return replace(self, params=self.params - sh.params + sh.params // tp,
                        param_bytes=self.param_bytes - sh.param_bytes + sh.param_bytes // tp,
-                       saved_bytes=self.saved_bytes * keep, saved_after_i=self.saved_after_i * keep,
+                       saved_bytes=self.saved_bytes * keep, saved_after_i=self.saved_after_i * after_i,
                        saved_w_only=self.saved_w_only * keep, work_bytes=self.work_bytes * keep,
                        in_bytes=self.in_bytes * b_in, out_bytes=self.out_bytes * b_out,
                        attention_bytes=self.attention_bytes / tp if sh.attention else self.attention_bytes,
@@ -1107,7 +1111,7 @@ def _sequence_placement(captured, tp: int) -> tuple[set, set, set]:
 
     gathered = {c.args[0].name for c in plan.gathered}
     scattered = {captured_name(n.args[0]) for n in plan.seeds}  # (their sums, which readers see, are token-sharded)
-    return ({n.name for n in plan.dims} - gathered) | scattered, gathered, scattered
+    return {n.name for n in plan.dims} | scattered, gathered, scattered
 
 
 def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: tuple) -> TpShare | None:
@@ -1137,6 +1141,8 @@ def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: t
                                  for fqn, _v in mine),
                    sequence=sum(n.meta.get("autopar_bytes", 0) for n in nodes
                                 if n.name in tokens and n.name not in sharded) / vbytes,
+                   regathered=sum(n.meta.get("autopar_bytes", 0) for n in nodes
+                                  if n.name in gathered and n.name not in sharded) / vbytes,
                    scatters=(sum(1 for n in nodes if n.name in scattered),
                              float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in scattered))),
                    gathers=(sum(1 for n in stage.gm.graph.nodes if n.name in gathered),

@@ -92,12 +92,14 @@ class TimeModel:
             # passes/tensor_parallel.py: the row linears' sums in F, the column inputs' gradients
             # in I, each an all-reduce over the tp group the op waits for (no overlap yet); with
             # sequence parallelism (passes/sequence_parallel.py) a reduce-scatter per row sum and
-            # an all-gather per column input in F, the reverse of each in I (ring: the same time)
+            # an all-gather per column input in F, the reverse of each in I (ring: the same time),
+            # and in I each column input all-gathered again for its weight gradient
             n_rs, rs_bytes, n_ag, ag_bytes = kind.sp_comm
             t = sum(n * self.collective(op, nbytes / n * sc, tp, links["tp"])
                     for op, n, nbytes in (("all_reduce", n_red, red_bytes), ("reduce_scatter", n_rs, rs_bytes),
                                           ("all_gather", n_ag, ag_bytes)) if n)
-            f, i = f + t, i + t
+            again = n_ag * self.collective("all_gather", ag_bytes / n_ag * sc, tp, links["tp"]) if n_ag else 0.0
+            f, i = f + t, i + t + again
         if lay.cp > 1 and kind.attention_bytes:
             a2a = comm.all_to_all_time((kind.attention_bytes + kind.kv_copies_bytes(lay.cp)) * sc, lay.cp, links["cp"])
             f, i = f + a2a, i + a2a

@@ -35,10 +35,12 @@ def test_a_layer_shards_its_projections_by_hand_count(llama8b):
         assert sh.attention and 0.7 < sh.flops < 0.9
         # sequence parallelism: both sums reduce-scattered, both column inputs (the attention's and
         # the MLP's, after their RMSNorms) all-gathered, each [1, SEQ, d] in bf16; the residual
-        # stream in and out token-sharded; what stays whole is the column inputs, once each
+        # stream in and out token-sharded; nothing F keeps stays whole (I gathers the column
+        # inputs again: their share, of the token-sharded one, is whole again from I to W)
         assert sh.scatters == (2, 2 * SEQ * d * 2) and sh.gathers == (2, 2 * SEQ * d * 2)
         # (the layer also receives the RoPE tables, replicated: a few % of its input bytes)
-        assert 0.9 < sh.boundary[0] < 1 and sh.boundary[1] == 1 and 0 < sh.sequence < 1 - sh.activations
+        assert 0.9 < sh.boundary[0] < 1 and sh.boundary[1] == 1
+        assert sh.activations + sh.sequence == pytest.approx(1.0) and 0 < sh.regathered < sh.sequence
         one = layer.at_tp(tp)
         assert one.params == linears // tp + 2 * d
         assert one.tp_comm == (0, 0, tp) and one.sp_comm == (2, 2 * SEQ * d * 2, 2, 2 * SEQ * d * 2)
@@ -49,6 +51,8 @@ def test_a_layer_shards_its_projections_by_hand_count(llama8b):
         assert one.in_bytes == pytest.approx(SEQ * d * 2 / tp + rope)
         cut = sh.activations + sh.sequence
         assert one.saved_bytes == pytest.approx(layer.saved_bytes * (1 - cut + cut / tp))
+        assert one.saved_after_i == pytest.approx(layer.saved_after_i * (1 - cut + cut / tp
+                                                                          + sh.regathered * (1 - 1 / tp)))
     # the token embedding is vocabulary-parallel (its sum reduce-scattered), the LM head
     # column-parallel (its input all-gathered) into the vocabulary-parallel cross-entropy
     vocab = 128256
