@@ -132,6 +132,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
             n.args = tuple(n.args[:5]) + (True,)
     if not recompute:
         _regather_column_inputs(joint, fwd_set)
+        _recompute_cheap(joint, fwd_set, {n for n in j_phs if keys.is_state(names[n])})
     # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
     reduces = [n for n in joint.graph.nodes if (n.target is tensor_parallel.REDUCE or n.target in
@@ -311,6 +312,93 @@ def _regather_column_inputs(joint: fx.GraphModule, fwd_set: set[fx.Node]) -> Non
         for c in sorted(chain[1:], key=order.__getitem__, reverse=True):  # views no backward reader needed
             if not again[c].users:
                 graph.erase_node(again[c])
+    graph.lint()
+    joint.recompile()
+
+
+# element-wise ops and casts: made again in the backward from what F keeps (memory-bound, no random numbers)
+_CASTS = frozenset({aten._to_copy.default})
+
+
+def _cheap(n: fx.Node, fwd_set: set[fx.Node]) -> bool:
+    t = n.target
+    return (n in fwd_set and isinstance(t, torch._ops.OpOverload) and t.namespace == "aten"
+            and (torch.Tag.pointwise in t.tags or t in _CASTS) and not is_random(n)
+            and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx.Node]) -> None:
+    """Values the backward reads that element-wise ops or casts make from others are made again in
+    the backward where that keeps fewer bytes from F to the backward (bitwise the same values).
+
+    Storage by storage (a view keeps its base alive): a kept storage ``b`` made by such an op is
+    dropped when its own bytes exceed those of the inputs it needs that nothing keeps yet (state
+    is free), greedily, the largest saving first, until none saves. A SwiGLU MLP then keeps its
+    gate and up projections, not also ``silu(gate)`` and their product; an fp32 norm keeps its
+    bf16 input, not the fp32 copy. The copies are ordinary backward nodes: I or W runs each where
+    it is needed, reading what F kept (``split_backward``'s regions)."""
+    graph = joint.graph
+    order = {n: k for k, n in enumerate(graph.nodes)}
+
+    def base(n: fx.Node) -> fx.Node:
+        while n.op == "call_function" and n.target is not operator.getitem and is_view(n) and n.all_input_nodes:
+            n = n.all_input_nodes[0]
+        return n
+
+    def cost(b: fx.Node) -> float:
+        return 0.0 if b in state or b.op != "placeholder" and b not in fwd_set else value_bytes(b.meta.get("val"))
+
+    kept: dict[fx.Node, int] = {}  # storage -> how many kept values hold it
+    for n in list(fwd_set) + [p for p in graph.nodes if p.op == "placeholder"]:
+        if any(u not in fwd_set for u in n.users):
+            kept[base(n)] = kept.get(base(n), 0) + 1
+    dropped: list[fx.Node] = []
+    while True:
+        best, gain = None, 0.0
+        for b in kept:
+            if not _cheap(b, fwd_set):
+                continue
+            need = {base(a) for a in b.all_input_nodes} - kept.keys()
+            g = cost(b) - sum(cost(a) for a in need)
+            # (on a tie the later op first: its inputs are more often kept already, so the op
+            # that made them can go next, as silu(gate) after silu(gate) * up)
+            if g > gain or g == gain and best is not None and order[b] > order[best]:
+                best, gain = b, g
+        if best is None:
+            break
+        del kept[best]
+        dropped.append(best)
+        for a in best.all_input_nodes:
+            kept[base(a)] = kept.get(base(a), 0) + 1
+    if not dropped:
+        return
+    # copy each dropped storage and the views of it the backward reads, in graph order
+    again_of = set(dropped)
+    stack = list(dropped)
+    while stack:
+        for u in stack.pop().users:
+            if u in fwd_set and u not in again_of and is_view(u) and u.target is not operator.getitem \
+                    and base(u) in dropped:
+                again_of.add(u)
+                stack.append(u)
+    readers = {c: [u for u in c.users if u not in fwd_set and u not in again_of] for c in again_of}
+    again: dict[fx.Node, fx.Node] = {}
+    out = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(out):
+        for c in sorted(again_of, key=order.__getitem__):
+            again[c] = graph.node_copy(c, lambda a: again.get(a, a))
+    for c, us in readers.items():
+        for u in us:
+            u.replace_input_with(c, again[c])
+    # each copy just before its first reader, the last first (a reader is a backward node, after
+    # the original and its inputs, or a copy already placed before one)
+    for c in sorted(again_of, key=order.__getitem__, reverse=True):
+        node = again[c]
+        if not node.users:  # (a view nothing reads)
+            graph.erase_node(node)
+            continue
+        pos = {n: k for k, n in enumerate(graph.nodes)}
+        min(node.users, key=pos.__getitem__).prepend(node)
     graph.lint()
     joint.recompile()
 

@@ -150,6 +150,7 @@ class Candidate:
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
     loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
     offload: float | tuple[float, ...] = 0.0  # share of the saved activations parked on the host (Layout.offload)
+    variants: int = 0                   # the memory-feature variants _simulate priced besides it
 
     @property
     def priced_layout(self) -> Layout:
@@ -274,7 +275,6 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
             ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
             names = ("1f1b",) if pp == 1 else req.schedules
-            vs = {name: _stages_per_rank(name, pp, pin) for name in names}
             for ep in eps:
                 for z in zeros:
                     fam = {"pp": pp, "dp": dp, "cp": cp, "ep": ep, "zero": z, "tp": tp}
@@ -288,8 +288,7 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
                         continue
                     for m in ms:
                         b = per_replica // m
-                        for name in names:
-                            v = vs[name]
+                        for name, v in ((name, v) for name in names for v in _stages_per_rank(name, pp, pin, m)):
                             if pp * v > U:
                                 continue
                             lay = Layout(pp, dp, cp, ep, name, v, m, b, z, tp=tp)
@@ -322,26 +321,35 @@ def _constraint(name: str, pp: int, m: int, v: int) -> str | None:
     return None
 
 
-def _stages_per_rank(name: str, pp: int, pin: dict) -> int:
-    """The schedule's stages per rank (``--pin v=`` where given: interleaved-1f1b takes any;
-    the schedule's constraints reject the rest), 1 without a pipeline."""
-    return 1 if pp == 1 else pin.get("v", registry.default_stages_per_rank(name))
+# the stages per rank interleaved-1f1b is searched with where the V schedules cannot run (fewer
+# than 2 pp microbatches): more stages, a smaller bubble ((pp-1)/(v m) of the step) for more P2P
+# transfers and, on the first rank, a few more microbatches in flight; with more microbatches
+# zbv and dualpipev leave less bubble than any of them, and interleaved-1f1b is searched at 2
+INTERLEAVED_STAGES = (2, 4, 8)
+
+
+def _stages_per_rank(name: str, pp: int, pin: dict, m: int = 0) -> tuple[int, ...]:
+    """The schedule's stages per rank to search at ``m`` microbatches (``--pin v=`` where given:
+    interleaved-1f1b takes any; the schedule's constraints reject the rest), 1 without a pipeline."""
+    if pp == 1:
+        return (1,)
+    if "v" in pin:
+        return (pin["v"],)
+    if name == "interleaved-1f1b" and m < 2 * pp:
+        return INTERLEAVED_STAGES
+    return (registry.default_stages_per_rank(name),)
 
 
 def _fits_pin(pin: dict, pp: int, m: int, b: int, name: str, U: int) -> bool:
-    v = _stages_per_rank(name, pp, pin)
-    if pp * v > U:
-        return False
-    got = {"schedule": name, "v": v, "m": m, "b": b}
-    return all(got[k] == x for k, x in pin.items() if k in got)
+    return any(pp * v <= U and all(got[k] == x for k, x in pin.items() if k in got)
+               for v in _stages_per_rank(name, pp, pin, m) for got in ({"schedule": name, "v": v, "m": m, "b": b},))
 
 
 def _first_valid(combos, pp, dp, cp, ep, z, per_replica, tp: int = 1, pin: dict | None = None) -> Layout | None:
     for m, name in combos:
-        v = _stages_per_rank(name, pp, pin or {})
-        if _constraint(name, pp, m, v) is not None:
-            continue
-        return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z, tp=tp)
+        for v in _stages_per_rank(name, pp, pin or {}, m):
+            if _constraint(name, pp, m, v) is None:
+                return Layout(pp, dp, cp, ep, name, v, m, per_replica // m, z, tp=tp)
     return None
 
 
@@ -430,7 +438,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
                 break
             continue
         n_timed += 1
-        spent += simulation_work(lay)  # (a layout's memory-feature variants are not counted: _simulate)
+        spent += simulation_work(lay) * (1 + c.variants)  # (with its memory-feature variants: _simulate)
         if c.status == "feasible":
             best = min(best, c.time)
     for c in screened[len(todo):]:
@@ -704,9 +712,8 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     combination is priced first; if even it does not fit, the layout stays as it was priced;
     else every combination is priced and the fastest that fits is kept (``_lighter``;
     ``loss_chunk`` and ``offload`` say which). Both features only add work (a recomputed head GEMM, copies), so
-    where memory does not bind neither is used. The variants do not count against the search's
-    budget of simulated actions (counting them stops the search sooner, on layouts it would
-    have found faster)."""
+    where memory does not bind neither is used. Each variant priced counts against the search's
+    budget of simulated actions as one more simulation of the layout (``Candidate.variants``)."""
     ev = ev.for_tp(c.layout.tp)
     timed = _simulate_one(ev, c)
     if not _binds(c):
@@ -730,6 +737,7 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
         other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens if e is not ev else 0,
                           offload=f)
         t = _simulate_one(e, other)
+        c.variants += 1
         if other.status == "feasible" and (best is None or _lighter(other) < _lighter(best)):
             best, best_timed = other, t
         if k == 0 and other.status != "feasible":

@@ -124,3 +124,52 @@ def _check_regions(prog):
         assert not [n for n in prog.i.gm.graph.nodes if n.op == "call_function"], "stage 0 has no upstream: I is empty"
     if not prog.recompute:
         assert not (regions["W"] & regions["F"]) and not (regions["I"] & regions["F"])
+
+
+class SwiGLU(nn.Module):
+    """A linear, then RMSNorm (its weight) and a SwiGLU MLP with a residual: Llama's MLP half."""
+
+    def __init__(self, d, f):
+        super().__init__()
+        self.inp = nn.Linear(d, d)
+        self.w = nn.Parameter(1 + 0.1 * torch.randn(d))
+        self.gate, self.up, self.down = nn.Linear(d, f, bias=False), nn.Linear(d, f, bias=False), nn.Linear(f, d)
+
+    def forward(self, x):
+        x = self.inp(x)
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.w
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def test_element_wise_values_are_made_again_in_the_backward():
+    """What F keeps for the backward, by hand: the weight gradients need the norm's output h
+    (and its input times the rsqrt, for the norm's weight) and silu(gate) * up; the input
+    gradients need gate, up, the norm's input x and its rsqrt. Element-wise ops make h from x
+    and the rsqrt, silu(gate) * up from gate and up: F keeps x [N, d], the rsqrt [N, 1], gate
+    and up [N, f], and the model output, which the loss's gradient reads, and nothing else (the
+    model input, which the first linear's weight gradient reads, is data); F, I, W still give
+    autograd's gradients."""
+    torch.manual_seed(0)
+    d, f = 4, 12
+    model = SwiGLU(d, f)
+    x, y = torch.randn(2, 3, d), torch.randn(2, 3, d)
+    ref = copy.deepcopy(model)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_grads = dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(ref_loss, list(ref.parameters()))))
+
+    cap = capture(model, (x,), y, F.mse_loss)
+    (sg,) = split_stages(cap, 1)
+    prog = split_backward(sg, {})
+    out = next(v for v in prog.f.gm.graph.nodes if v.op == "output").args[0]
+    saved = sorted(tuple(v.meta["val"].shape) for k, v in zip(prog.f.results, out)
+                   if keys.is_kind(k, keys.SAVED) and v.meta["val"].dim() == 3)  # (not the weights' views)
+    assert saved == [(2, 3, 1), (2, 3, d), (2, 3, d), (2, 3, f), (2, 3, f)], saved
+    _check_regions(prog)
+
+    params = dict(model.named_parameters())
+    state = keys.state(params, dict(model.named_buffers()), {})
+    pipe = LocalPipeline([prog], _sequential_split_schedule(1), state, params)
+    loss = pipe.run([dict(zip(cap.inputs + [cap.target], (x, y)))], 1.0)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(params[name].grad, g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
