@@ -290,8 +290,11 @@ def _regather_column_inputs(joint: fx.GraphModule, fwd_set: set[fx.Node]) -> Non
     copy is a collective of the backward, so I runs it (``split_backward``'s I roots) and W, which
     reads its result, never communicates."""
     graph = joint.graph
+    gathers = [n for n in graph.nodes if n.target is sequence_parallel.ALL_GATHER and n in fwd_set]
+    if not gathers:
+        return
     order = {n: k for k, n in enumerate(graph.nodes)}
-    for g in [n for n in graph.nodes if n.target is sequence_parallel.ALL_GATHER and n in fwd_set]:
+    for g in gathers:
         chain, stack = [], [g]  # the all-gather and the forward's views of it
         while stack:
             n = stack.pop()
