@@ -349,13 +349,13 @@ def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx
         return n
 
     def cost(b: fx.Node) -> float:
-        return 0.0 if b in state or b.op != "placeholder" and b not in fwd_set else value_bytes(b.meta.get("val"))
+        return 0.0 if b in state or (b.op != "placeholder" and b not in fwd_set) else value_bytes(b.meta.get("val"))
 
     kept: dict[fx.Node, int] = {}  # storage -> how many kept values hold it
     for n in list(fwd_set) + [p for p in graph.nodes if p.op == "placeholder"]:
         if any(u not in fwd_set for u in n.users):
             kept[base(n)] = kept.get(base(n), 0) + 1
-    dropped: list[fx.Node] = []
+    dropped: set[fx.Node] = set()
     while True:
         best, gain = None, 0.0
         for b in kept:
@@ -370,14 +370,14 @@ def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx
         if best is None:
             break
         del kept[best]
-        dropped.append(best)
+        dropped.add(best)
         for a in best.all_input_nodes:
             kept[base(a)] = kept.get(base(a), 0) + 1
     if not dropped:
         return
     # copy each dropped storage and the views of it the backward reads, in graph order
     again_of = set(dropped)
-    stack = list(dropped)
+    stack = sorted(dropped, key=order.__getitem__)
     while stack:
         for u in stack.pop().users:
             if u in fwd_set and u not in again_of and is_view(u) and u.target is not operator.getitem \

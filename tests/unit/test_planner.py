@@ -276,7 +276,8 @@ def _check_plan(res, prof, req, tied: int = 0):
 def _every_layout(prof, req):
     """Every (pp, dp, cp, schedule, m, ZeRO) the request allows, enumerated here from the rules
     (pp*dp*cp = gpus, dp*m*b = batch, cp divides the heads and the sequence, S = pp*v stages of
-    at least one unit, the schedule's own constraints); the model has no experts."""
+    at least one unit, the schedule's own constraints; v the schedule's default, and 2, 4 or 8
+    for interleaved-1f1b below 2*pp microbatches); the model has no experts."""
     for pp in range(1, req.gpus + 1):
         for cp in range(1, req.gpus // pp + 1):
             if req.gpus % (pp * cp) or (cp > 1 and (prof.n_heads % cp or prof.seq_len % cp)):
@@ -287,15 +288,17 @@ def _every_layout(prof, req):
             per = req.global_batch // dp
             for m in (x for x in range(1, per + 1) if per % x == 0):
                 for name in (("1f1b",) if pp == 1 else registry.names()):
-                    v = 1 if pp == 1 else registry.default_stages_per_rank(name)
-                    if pp * v > len(prof.units) or (name == "zb-auto" and pp * m > req.zb_auto_max):
-                        continue
-                    try:
-                        registry.check(name, pp, m, v)
-                    except ValueError:
-                        continue
-                    for z in (0, 1, 2, 3) if dp * cp > 1 else (0,):
-                        yield Layout(pp, dp, cp, 1, name, v, m, per // m, z)
+                    vs = (1,) if pp == 1 else (2, 4, 8) if name == "interleaved-1f1b" and m < 2 * pp else (
+                        registry.default_stages_per_rank(name),)
+                    for v in vs:
+                        if pp * v > len(prof.units) or (name == "zb-auto" and pp * m > req.zb_auto_max):
+                            continue
+                        try:
+                            registry.check(name, pp, m, v)
+                        except ValueError:
+                            continue
+                        for z in (0, 1, 2, 3) if dp * cp > 1 else (0,):
+                            yield Layout(pp, dp, cp, 1, name, v, m, per // m, z)
 
 
 def _priced_by_enumeration(prof, device, req):
