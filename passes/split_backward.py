@@ -301,22 +301,35 @@ def _regather_column_inputs(joint: fx.GraphModule, fwd_set: set[fx.Node]) -> Non
             chain.append(n)
             stack += [u for u in n.users if u in fwd_set and (is_view(u) or u.target is aten.reshape.default)
                       and u.all_input_nodes == [n]]
-        readers = {c: [u for u in c.users if u not in fwd_set] for c in chain}
-        first = min((u for us in readers.values() for u in us), key=order.__getitem__, default=None)
-        if first is None:
-            continue
-        again: dict[fx.Node, fx.Node] = {}
-        with graph.inserting_before(first):
-            for c in sorted(chain, key=order.__getitem__):
-                again[c] = graph.node_copy(c, lambda a: again.get(a, a))
-        for c, us in readers.items():
-            for u in us:
-                u.replace_input_with(c, again[c])
-        for c in sorted(chain[1:], key=order.__getitem__, reverse=True):  # views no backward reader needed
-            if not again[c].users:
-                graph.erase_node(again[c])
+        _copy_for_backward(graph, chain, fwd_set, order)
     graph.lint()
     joint.recompile()
+
+
+def _copy_for_backward(graph: fx.Graph, nodes, fwd_set: set[fx.Node], order: dict) -> None:
+    """The backward's readers of forward ``nodes`` read copies of them instead, each copy made
+    just before its first reader (copies read copies where they exist; a copy nothing reads is
+    dropped). Which region runs a copy follows from what reads it (``split_backward``)."""
+    readers = {c: [u for u in c.users if u not in fwd_set and u not in nodes] for c in nodes}
+    if not any(readers.values()):
+        return
+    again: dict[fx.Node, fx.Node] = {}
+    out = next(n for n in graph.nodes if n.op == "output")
+    with graph.inserting_before(out):
+        for c in sorted(nodes, key=order.__getitem__):
+            again[c] = graph.node_copy(c, lambda a: again.get(a, a))
+    for c, us in readers.items():
+        for u in us:
+            u.replace_input_with(c, again[c])
+    # the last first: a reader is a backward node (after the original and its inputs) or a copy
+    # already placed before one
+    for c in sorted(nodes, key=order.__getitem__, reverse=True):
+        node = again[c]
+        if not node.users:
+            graph.erase_node(node)
+            continue
+        pos = {n: k for k, n in enumerate(graph.nodes)}
+        min(node.users, key=pos.__getitem__).prepend(node)
 
 
 # element-wise ops and casts: made again in the backward from what F keeps (memory-bound, no random numbers)
@@ -384,24 +397,7 @@ def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx
                     and base(u) in dropped:
                 again_of.add(u)
                 stack.append(u)
-    readers = {c: [u for u in c.users if u not in fwd_set and u not in again_of] for c in again_of}
-    again: dict[fx.Node, fx.Node] = {}
-    out = next(n for n in graph.nodes if n.op == "output")
-    with graph.inserting_before(out):
-        for c in sorted(again_of, key=order.__getitem__):
-            again[c] = graph.node_copy(c, lambda a: again.get(a, a))
-    for c, us in readers.items():
-        for u in us:
-            u.replace_input_with(c, again[c])
-    # each copy just before its first reader, the last first (a reader is a backward node, after
-    # the original and its inputs, or a copy already placed before one)
-    for c in sorted(again_of, key=order.__getitem__, reverse=True):
-        node = again[c]
-        if not node.users:  # (a view nothing reads)
-            graph.erase_node(node)
-            continue
-        pos = {n: k for k, n in enumerate(graph.nodes)}
-        min(node.users, key=pos.__getitem__).prepend(node)
+    _copy_for_backward(graph, again_of, fwd_set, order)
     graph.lint()
     joint.recompile()
 
