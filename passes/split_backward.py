@@ -337,10 +337,8 @@ _CASTS = frozenset({aten._to_copy.default})
 
 
 def _cheap(n: fx.Node, fwd_set: set[fx.Node]) -> bool:
-    t = n.target
-    return (n in fwd_set and isinstance(t, torch._ops.OpOverload) and t.namespace == "aten"
-            and (torch.Tag.pointwise in t.tags or t in _CASTS) and not is_random(n)
-            and isinstance(n.meta.get("val"), torch.Tensor))
+    return (n in fwd_set and (tensor_parallel.is_elementwise(n) or n.target in _CASTS)
+            and n.target.namespace == "aten" and not is_random(n) and isinstance(n.meta.get("val"), torch.Tensor))
 
 
 def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx.Node]) -> None:
