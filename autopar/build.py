@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from autopar import batches, schedules
+from autopar.passes.grad_mode import params_with_gradient
 from autopar.passes.token_loss import ignore_index_of
 from autopar.plan import Plan
 from autopar.runtime import moe_exchange
@@ -102,10 +103,12 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
         captured = capture_microbatch(model=model, inputs=tuple(local(x[:mb]) for x in inputs),
                                       target=local(target[:mb]) if target is not None else None, loss_fn=loss_fn,
                                       precision=mixed_precision, input_names=input_names, causal_masks=cp is None)
+        captured = same_graph_everywhere(captured=captured, mesh=mesh)
         captured = rewrite_graph(captured=captured, owners=owners)
         stages, schedule = split(captured=captured, plan=plan)
         params = unique_params(model)
-        trainable = {f for f, p in params.items() if p.requires_grad}
+        # what requires grad and gets a gradient somewhere (not a parameter used inside no_grad alone)
+        trainable = {f for f, p in params.items() if p.requires_grad} & params_with_gradient(captured)
         options = param_options(model=model, spec=param_groups, aliases=aliases_of(model))
         routes = route_optimizer(factory=optimizer, captured=captured, options=options)
         if routes is not None and "tp" in owners:  # Muon's matrices that tp shards: gathered for Newton-Schulz
@@ -326,6 +329,29 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
     return captured
 
 
+def same_graph_everywhere(*, captured, mesh):
+    """Distributed pipelines: every pipeline rank continues from its replica's first pipeline
+    rank's node order and names (passes/align.py), so model code whose trace order follows the
+    Python hash seed (iterating over a set of strings) gives them the same stage cuts and
+    boundaries without PYTHONHASHSEED. A rank that cannot align is an error on every rank."""
+    if mesh is None or mesh.pp == 1:
+        return captured
+    from autopar.passes.align import align, fingerprints
+    from autopar.runtime import comms
+
+    groups = comms.group_names()
+    reference = comms.broadcast_object(fingerprints(captured, groups), src=mesh.global_rank(0), group=mesh.pp_group)
+    error = None
+    try:
+        captured = align(captured, reference, groups)
+    except ValueError as e:
+        error = f"pipeline rank {mesh.pp_rank}: {e}"
+    errors = [e for e in comms.all_gather_object(error, group=mesh.pp_group) if e is not None]
+    if errors:
+        raise ValueError("\n".join(errors))
+    return captured
+
+
 def rewrite_graph(*, captured, owners: dict):
     for owner in owners.values():
         captured = owner.rewrite_capture(captured)
@@ -427,7 +453,7 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
     mine = pipeline.my_stages
     comm = CommStream(device)
     dp = DataParallel(zero=plan.zero, mesh=mesh, model=model, params=params,
-                      stage_params={s: programs[s].grad_params for s in mine},
+                      stage_params={s: _trained_here(programs[s], stages[s], pipeline) for s in mine},
                       expert_params=owners["ep"].sharded if "ep" in owners else frozenset(),
                       grad_reduce=grad_reduce, bucket_bytes=bucket_bytes, timeout=timeout, comm=comm,
                       precision=precision, values=values, device=device, options=options,
@@ -603,3 +629,13 @@ def default_microbatches(plan: Plan, batch: int) -> int:
         return accepted[-1]
     raise ValueError(f"autopar: no microbatch count works for schedule {plan.schedule} with pp={plan.pp}, "
                      f"dp={plan.dp} and global batch {batch}; pass num_microbatches explicitly or change the batch")
+
+
+def _trained_here(program, stage, pipeline) -> tuple[str, ...]:
+    """The parameters this rank steps for ``stage``: those its programs give a gradient, and the
+    tied ones it holds even where its own use gets none (a parameter used inside a no-grad
+    region here and with gradient on another pipeline rank): the holders sum one gradient and
+    step alike, or this rank's copy would go stale."""
+    tied = pipeline.mesh.tied_groups if pipeline.mesh is not None else {}
+    return tuple(dict.fromkeys(program.grad_params + tuple(f for f in stage.params if f in tied)))
+

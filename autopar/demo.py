@@ -164,9 +164,6 @@ def run_demo(args) -> int:
                               run_id=f"autopar-{uuid.uuid4().hex[:8]}",
                               rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
                               start_method="spawn")
-        from autopar.runtime.spawn import same_hash_seed
-
-        same_hash_seed()  # the workers trace the same graph, in the same order (runtime/spawn.py)
         results = elastic_launch(config, _worker)(args)
         res = dict(results[0])
         # each process traced its own stages: the table is the union of their rows

@@ -18,6 +18,12 @@
    compute kernel; ``pm.metrics["offloaded_bytes"]`` > 0.
 4. Chunked loss: the same model with ``Plan(loss_chunk_tokens=...)`` against eager (rtol).
 
+6. NCCL pipeline P2P (issue 48), where the machine has 2 GPUs: examples/gpt at pp=2 on two NCCL
+   processes under 1f1b, zbv and dualpipev (4 microbatches, SGD), P2P as NCCL matches it (tags
+   0, one two-rank communicator per direction, receives at their lowered places), against eager
+   on one GPU: loss and every parameter after 2 steps. With one GPU it says so and is skipped
+   (NCCL refuses two ranks on one device).
+
 Prints one line per check and exits 0 when the numbers match and the copies ran on a stream
 other than compute, overlapping it.
 """
@@ -270,6 +276,66 @@ def check_muon(args) -> bool:
     return loss_err <= args.rtol and worst <= 1e-5 and finite
 
 
+NCCL_SCHEDULES = ("1f1b", "zbv", "dualpipev")
+
+
+def _nccl_rank(rank, world, schedule, args):
+    import torch
+
+    import autopar
+    from autopar.examples.gpt import make_gpt
+
+    os.environ["AUTOPAR_P2P_PREFETCH"] = "0"  # the GPU default, said out loud
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                              seq_len=args.seq, batch_size=args.batch, seed=0)
+    dev = torch.device("cuda", rank)
+    model, inputs, target = model.to(dev), tuple(x.to(dev) for x in inputs), target.to(dev)
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=LR),
+                             plan=autopar.Plan(pp=2, schedule=schedule, num_microbatches=4), example_target=target,
+                             timeout=120)
+    losses = [float(pm.step(inputs, target)) for _ in range(2)]
+    return losses, {k: v.detach().cpu() for k, v in pm.state_dict().items()}
+
+
+def check_nccl_pipeline(args) -> bool:
+    import torch
+
+    from autopar.examples.gpt import make_gpt
+    from autopar.runtime.spawn import run_ranks
+
+    if torch.cuda.device_count() < 2:
+        print(f"nccl pipeline: skipped, {torch.cuda.device_count()} GPU here (NCCL needs a GPU per rank)")
+        return True
+    model, inputs, target, loss_fn = make_gpt(n_layer=args.layers, d_model=args.d_model, n_head=args.heads,
+                                              seq_len=args.seq, batch_size=args.batch, seed=0)
+    ref = copy.deepcopy(model).cuda()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    want = []
+    for _ in range(2):
+        total = 0.0
+        for x, y in zip(inputs[0].cuda().chunk(4), target.cuda().chunk(4)):
+            loss = loss_fn(ref(x), y) / 4
+            loss.backward()
+            total += float(loss)
+        want.append(total)
+        opt.step()
+        opt.zero_grad()
+    ref_state = {k: v.detach().cpu() for k, v in ref.state_dict().items()}
+    ok = True
+    for schedule in NCCL_SCHEDULES:
+        results = run_ranks(_nccl_rank, 2, schedule, args, backend="nccl", timeout_s=120, deadline_s=600)
+        for rank, (losses, state) in enumerate(results):
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses, want))
+            worst = max(float((state[k] - v).abs().max()) / max(float(v.abs().max()), 1e-12)
+                        for k, v in ref_state.items())
+            good = loss_err <= args.rtol and worst <= 1e-4
+            ok = ok and good
+            print(f"nccl pipeline {schedule} rank {rank}: loss rel. difference {loss_err:.2e}, worst parameter "
+                  f"{worst:.2e} {'OK' if good else 'FAIL'}")
+    return ok
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     import torch
@@ -285,10 +351,11 @@ def main(argv=None) -> int:
     ok_offload = check_offload(args)
     ok_chunk = check_chunked_loss(args)
     ok_muon = check_muon(args)
+    ok_nccl = check_nccl_pipeline(args)
     print(f"RESULT numerics {'OK' if ok_num else 'FAIL'}, streams {'OK' if ok_streams else 'FAIL'}, offload "
           f"{'OK' if ok_offload else 'FAIL'}, chunked loss {'OK' if ok_chunk else 'FAIL'}, muon "
-          f"{'OK' if ok_muon else 'FAIL'}")
-    return 0 if ok_num and ok_streams and ok_offload and ok_chunk and ok_muon else 1
+          f"{'OK' if ok_muon else 'FAIL'}, nccl pipeline {'OK' if ok_nccl else 'FAIL'}")
+    return 0 if ok_num and ok_streams and ok_offload and ok_chunk and ok_muon and ok_nccl else 1
 
 
 if __name__ == "__main__":

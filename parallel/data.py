@@ -282,6 +282,7 @@ class DataParallel(Parallelism):
         shards over the expert-data-parallel group, or stepped whole beside the shards when
         that group is one rank), one parameter group per option set (and per group sharded
         over); a ``torch.optim.Optimizer`` at every level (runtime/optim.py)."""
+        factory = _accepting_no_parameters(factory, self.option_sets[0])
         experts = self._param_groups(self.whole_experts, lambda f: self.masters.get(f, self.params[f]))
         plain = [f for f in self.trained if f not in set(self.experts)]
         # mixed precision: the masters stepped whole (ZeRO-0: all; else the whole expert shards),
@@ -479,4 +480,16 @@ class DataParallel(Parallelism):
         copy the programs read: ZeRO-3's gather buffers no longer hold current values."""
         if self.storage is not None:
             self.storage.holds = [None, None]
+
+
+def _accepting_no_parameters(factory, options: dict):
+    """``factory`` that builds the optimizer of a rank that trains nothing too: torch's optimizers
+    refuse an empty parameter list, but a pipeline rank may hold only frozen parameters, or only
+    parameters that get no gradient (used inside a ``no_grad`` region alone). That rank gets one
+    empty group with the first option set's options, so ``pm.optimizer``, its learning rate and
+    a scheduler on it work as on every other rank, and its step changes nothing."""
+    def build(groups):
+        groups = list(groups)
+        return factory(groups if any(g["params"] for g in groups) else [{"params": [], **options}])
+    return build
 

@@ -14,7 +14,7 @@ from datetime import timedelta
 import torch
 
 from autopar.runtime import comms
-from autopar.runtime.mesh import Mesh, add_tied_groups
+from autopar.runtime.mesh import Mesh, add_p2p_groups, add_tied_groups
 
 from .base import Parallelism
 
@@ -35,6 +35,7 @@ class PipelineParallel(Parallelism):
         self.canonical = {n: names[0] for names in aliases.values() for n in names}
         if mesh is not None:
             add_tied_groups(mesh, stages, trainable, schedule.stage_to_rank, timeout)
+            add_p2p_groups(mesh, schedule.stage_to_rank, timeout)
 
     @property
     def my_stages(self) -> list[int]:

@@ -9,8 +9,12 @@ several names (tied embedding / LM head) becomes one placeholder under its first
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import inspect
 import logging
 import os
+import re
 import traceback
 import warnings
 
@@ -26,6 +30,7 @@ from autopar.runtime.moe_exchange import entries_of, serving
 from .captured import CapturedGraph
 from .causal_mask import make_causal
 from .costs import annotate_costs
+from .grad_mode import detach_no_grad_outputs, inference_mode_as_no_grad
 
 log = logging.getLogger("autopar")
 
@@ -82,12 +87,18 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
     wrapper = _ModelWithLoss(model, loss_fn, len(inputs), input_names)
     args = inputs + ((target,) if loss_fn is not None else ())
     try:
-        with _quiet_export_logs():
+        with _quiet_export_logs(), inference_mode_as_no_grad():
             ep = torch.export.export(wrapper, args, strict=False)
+            _refuse_data_dependent_shapes(ep, model, loss_fn)
+            # before the decomposition inlines the grad-mode regions: their outputs carry no gradient
+            detach_no_grad_outputs(ep.graph_module, {s.arg.name for s in ep.graph_signature.input_specs
+                                                     if s.kind == InputKind.PARAMETER})
             # functionalize (buffer mutations become outputs); aten.copy alone is decomposed
             ep = ep.run_decompositions({torch.ops.aten.copy.default: _differentiable_copy})
+    except CaptureError:
+        raise
     except Exception as e:  # noqa: BLE001 - every failure is re-raised as CaptureError with context
-        raise CaptureError(_explain_capture_failure(model, e)) from e
+        raise CaptureError(_explain_capture_failure(model, loss_fn, e)) from e
     captured = _from_exported(ep, wrapper, model, loss_fn is not None)
     _copy_before_training_views(captured, model)
     if causal_masks:
@@ -274,7 +285,7 @@ def _quiet_export_logs():
     try:
         for lg in loggers:
             lg.setLevel(logging.ERROR)
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _without_partial_graph():
             # torch's own deep copy of its module call graph warns about its own pytree API
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             yield
@@ -283,35 +294,115 @@ def _quiet_export_logs():
             lg.setLevel(lvl)
 
 
+@contextlib.contextmanager
+def _without_partial_graph():
+    """torch.export prints the partial graph of a failed trace to stderr (``partial_fx_graph``)
+    before raising; the CaptureError names the line instead. Everything else written to stderr
+    meanwhile (the model's own warnings) is passed on."""
+    import io
+    import sys
+
+    buffer, real = io.StringIO(), sys.stderr
+    sys.stderr = buffer
+    try:
+        yield
+    except BaseException as e:
+        text, chained = buffer.getvalue(), e
+        while chained is not None:
+            partial = getattr(chained, "partial_fx_graph", None)
+            if partial is not None:
+                text = text.replace(str(partial) + "\n", "")
+            chained = chained.__cause__ or chained.__context__
+        buffer = io.StringIO(text)
+        raise
+    finally:
+        sys.stderr = real
+        real.write(buffer.getvalue())
+
+
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_AUTOPAR_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)
 
 
-def _user_frame(exc: BaseException):
-    """The deepest traceback frame in the user's code (not torch, not autopar, not the stdlib)."""
+@functools.cache
+def _own_dirs() -> tuple[tuple[str, ...], str]:
+    """(autopar's layer folders, its examples folder): frames in the first are not the user's."""
+    layers = ("autopar", "autopar.passes", "autopar.runtime", "autopar.parallel", "autopar.planner",
+              "autopar.schedules")
+    dirs = tuple(os.path.dirname(os.path.abspath(importlib.import_module(n).__file__)) for n in layers)
+    return dirs, os.path.dirname(os.path.abspath(importlib.import_module("autopar.examples").__file__))
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def _infrastructure(filename: str) -> bool:
+    """Frames no user wrote: torch, the standard library, autopar's own layers, generated code."""
     import sysconfig
 
-    stdlib = sysconfig.get_paths()["stdlib"]
-    best = None
-    e: BaseException | None = exc
-    while e is not None:
-        for frame in traceback.extract_tb(e.__traceback__):
-            fn = os.path.abspath(frame.filename)
-            if fn.startswith(_TORCH_DIR) or fn.startswith(stdlib) or "site-packages" in fn:
-                continue
-            if os.path.abspath(__file__) == fn:
-                continue
-            best = frame
+    fn = os.path.abspath(filename)
+    return (filename.startswith("<") or fn.startswith(_TORCH_DIR) or fn.startswith(sysconfig.get_paths()["stdlib"])
+            or (any(fn.startswith(d + os.sep) for d in _own_dirs()[0]) and not fn.startswith(_own_dirs()[1] + os.sep)))
+
+
+def _model_files(model: nn.Module, loss_fn) -> set[str]:
+    """Source files of the model's module classes (and of the loss function) outside torch: where
+    a capture failure is the user's to fix (their own file, or transformers' modeling file)."""
+    files = set()
+    for obj in [type(m) for m in model.modules()] + ([loss_fn if inspect.isfunction(loss_fn) else type(loss_fn)]
+                                                     if loss_fn is not None else []):
+        try:
+            f = inspect.getsourcefile(obj)
+        except (TypeError, OSError):
+            continue
+        if f and not _infrastructure(f):
+            files.add(os.path.abspath(f))
+    return files
+
+
+def _pick_frame(frames: list[tuple[str, int, str]], files: set[str]):
+    """The deepest (file, line, code) in the model's own files, else the deepest no library wrote."""
+    usable = [f for f in frames if not _infrastructure(f[0]) and "site-packages" not in f[0]]
+    in_model = [f for f in frames if os.path.abspath(f[0]) in files]
+    return (in_model or usable or [None])[-1]
+
+
+def _traceback_frames(exc: BaseException) -> list[tuple[str, int, str]]:
+    """Every frame of ``exc`` and the exceptions chained to it, outermost first."""
+    frames, seen, e = [], set(), exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        frames = [(f.filename, f.lineno, f.line or "") for f in traceback.extract_tb(e.__traceback__)] + frames
         e = e.__cause__ or e.__context__
-    return best
+    return frames
 
 
-def _explain_capture_failure(model: nn.Module, exc: BaseException) -> str:
+def node_source(node: fx.Node, files: set[str]):
+    """(file, line, code) of the model statement that made ``node`` (its recorded stack trace)."""
+    frames = [(f, int(n), code) for f, n, code in _FRAME.findall(node.meta.get("stack_trace") or "")]
+    return _pick_frame(frames, files)
+
+
+def _where(frame) -> str:
+    if frame is None:
+        return "a line torch did not record (run model(*inputs) under torch.export.export(..., strict=False) to see it)"
+    return f"{frame[0]}:{frame[1]}: `{frame[2].strip()}`"
+
+
+_DATA_DEPENDENT_SIZE = ("a number read from a tensor (`.tolist()`, `.item()`, `int(tensor)`) used where a static graph "
+                        "needs a fixed value (a size, a split, a range)")
+_SIZE_FIX = ("keep shapes fixed: pad to a capacity, use masks (torch.where) instead of selections; for MoE expert "
+             "split sizes use autopar.nn.MoE or the Hugging Face experts layout (experts(hidden, top_k_index, "
+             "top_k_weights) with 3-D expert weights), which autopar dispatches dropless with the sizes moved at "
+             "run time, not traced")
+
+
+def _explain_capture_failure(model: nn.Module, loss_fn, exc: BaseException) -> str:
     text = str(exc)
     kind = type(exc).__name__
-    frame = _user_frame(exc)
-    where = f"{frame.filename}:{frame.lineno}: `{(frame.line or '').strip()}`" if frame else "an unknown line"
-    if "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
+    frame = _pick_frame(_traceback_frames(exc), _model_files(model, loss_fn))
+    if "Could not extract specialized integer" in text or "could not extract specialized" in text.lower():
+        what, fix = _DATA_DEPENDENT_SIZE, _SIZE_FIX
+    elif "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
         what = "data-dependent Python control flow (a branch or shape that depends on tensor values)"
         fix = ("make it tensor-only, e.g. torch.where(cond, a, b) instead of `if`, fixed-size masks "
                "instead of boolean indexing, or torch.cond for real branches")
@@ -322,5 +413,22 @@ def _explain_capture_failure(model: nn.Module, exc: BaseException) -> str:
         what = f"{kind}"
         fix = "check that model(*inputs) and loss_fn run eagerly on these inputs; see the chained error below"
     first = text.strip().splitlines()[0] if text.strip() else kind
-    return (f"autopar could not capture {type(model).__name__}: {what} at {where}.\n"
+    return (f"autopar could not capture {type(model).__name__}: {what} at {_where(frame)}.\n"
             f"  Fix: {fix}.\n  torch.export said: {first[:300]}")
+
+
+def _refuse_data_dependent_shapes(ep, model: nn.Module, loss_fn) -> None:
+    """torch.export captures a value whose shape depends on data (``x[mask]``, ``nonzero``,
+    ``unique``, a split by sizes read with ``.tolist()``) as an unbacked size; no stage cut,
+    memory plan or fixed-shape program can hold it. Refused here, naming the model line that
+    made it, instead of failing later inside a pass."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in ep.graph_module.graph.nodes:
+        shapes = [tuple(v.shape) for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
+        if node.op == "call_function" and free_unbacked_symbols(shapes):
+            where = _where(node_source(node, _model_files(model, loss_fn)))
+            raise CaptureError(
+                f"autopar could not capture {type(model).__name__}: a data-dependent shape (boolean-mask indexing, "
+                f"nonzero, unique, or sizes read from a tensor) at {where}: `{node.target}` makes a tensor whose "
+                f"size depends on the data.\n  Fix: {_SIZE_FIX}.")

@@ -242,10 +242,12 @@ def _output_names(stage: StageGraph) -> list[str]:
 
 
 def _grad_candidates(stage: StageGraph) -> list[int]:
-    """Output positions that may carry a gradient: float activations and the loss, never buffer updates."""
+    """Output positions that may carry a gradient: float activations a later stage differentiates
+    (not ``stage.grad_free``) and the loss, never buffer updates."""
     names = _output_names(stage)
     return [i for i in range(len(names))
-            if (i < len(stage.outputs) or names[i] == keys.LOSS) and _is_float(_out_val(stage.gm, i))]
+            if ((i < len(stage.outputs) and names[i] not in stage.grad_free) or names[i] == keys.LOSS)
+            and _is_float(_out_val(stage.gm, i))]
 
 
 def _trace_args(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str]) -> list:

@@ -25,6 +25,7 @@ import torch.fx as fx
 
 from .captured import CapturedGraph
 from .costs import node_time
+from .grad_mode import gradient_paths
 
 # IN_FLIGHT_OPS: a MoE dispatch chain's handle before its last op stays in its stage
 from .moe_dispatch import IN_FLIGHT_OPS
@@ -55,6 +56,9 @@ class StageGraph:
     has_loss: bool
     cost: float                    # balancing estimate (seconds on the balance roofline)
     flops: int
+    # outputs no later stage differentiates: no gradient comes back for them (a value read only
+    # through the detach of a no-grad region, passes/grad_mode.py), whatever requires grad here
+    grad_free: tuple[str, ...] = ()
 
     @property
     def bytes_in(self) -> int:
@@ -95,9 +99,10 @@ def split_stages(captured: CapturedGraph, num_stages: int, cuts: list[int] | Non
             raise ValueError(f"autopar: cannot cut before compute node(s) at {bad}: a non-tensor value would cross")
     bounds = [0] + cuts + [len(order)]
     pos = {n: i for i, n in enumerate(order)}
+    graded = gradient_paths(graph, captured.node(captured.loss))
     stages = []
     for k in range(num_stages):
-        stages.append(_build_stage(captured, order, pos, k, bounds[k], bounds[k + 1], num_stages))
+        stages.append(_build_stage(captured, order, pos, k, bounds[k], bounds[k + 1], num_stages, graded))
     return stages
 
 
@@ -282,7 +287,7 @@ def _min_crossing_cuts(prefix, crossing, cands, num_stages, limit) -> list[int]:
 # building stage graphs
 
 
-def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages) -> StageGraph:
+def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages, graded: set[fx.Node]) -> StageGraph:
     nodes = order[a:b]
     inside = set(nodes)
     live_in = [n for n in order[:a] if any(pos.get(u, -1) >= a for u in n.users if u in pos)]
@@ -341,6 +346,7 @@ def _build_stage(captured: CapturedGraph, order, pos, k, a, b, num_stages) -> St
         has_loss=has_loss,
         cost=sum(node_time(n) for n in nodes),
         flops=sum(n.meta.get("autopar_flops", 0) for n in nodes),
+        grad_free=tuple(n.name for n in live_out if n not in graded),
     )
 
 

@@ -134,10 +134,9 @@ def mismatches(sends: dict, expects: dict) -> list[str]:
             where = f"pipeline boundary stage {stage} -> stage {to} ({what}, rank {peer} -> rank {rank})"
             if list(got) != list(want):
                 out.append(f"{where}: rank {peer} sends tensors {list(got)}, rank {rank} expects {list(want)} "
-                           "(names and order must agree; when every rank captured the same model, its code "
-                           "traced differently per process: e.g. it iterates over a set of strings, whose "
-                           "order follows Python's hash seed; launch every rank with the same "
-                           "PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...)")
+                           "(names and order must agree; every rank continues from rank 0's graph "
+                           "(passes/align.py), so the ranks' stage programs differ after it: different "
+                           "plans, model code or rewrites per rank)")
                 continue
             for name, spec in got.items():
                 w = want[name]

@@ -1,9 +1,14 @@
 """Every collective and P2P call autopar makes, in one place.
 
-P2P messages carry a tag derived from (sending stage, microbatch, direction, tensor index), so
-a receive can never pick up another message between the same two ranks (gloo matches by
-tag; NCCL ignores tags and relies on both sides issuing in the same order, which the
-lowered schedule's send/recv placement gives per pair of ranks).
+Pipeline P2P follows NCCL's rules on every backend (schedules/nccl.py): each ordered pair of
+pipeline ranks has its own two-rank process group (``runtime/mesh.add_p2p_groups``), so a
+rank's sends to a peer and its receives from that peer never queue behind each other, and on
+each such channel the messages match **in posting order**: the lowering gives both sides the
+same order. Tags are therefore 0 (NCCL ignores them anyway), and gloo matches first-in,
+first-out as NCCL does, so every CPU run also proves the order. ``AUTOPAR_P2P_TAGS=1`` tags
+each tensor by (sending stage, microbatch, direction, index) instead: a debugging switch for
+gloo, which then matches by tag and aborts on a message posted out of order.
+``AUTOPAR_P2P_PREFETCH`` says whether receives are posted ahead of their place (``recv_prefetch``).
 """
 from __future__ import annotations
 
@@ -20,8 +25,23 @@ os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 _MAX_TENSORS = 256  # tensors crossing one stage boundary (tag space per message)
 
 
+def p2p_tags_enabled() -> bool:
+    """``AUTOPAR_P2P_TAGS=1``: tag P2P tensors (gloo debugging); default 0, NCCL's order matching."""
+    return os.environ.get("AUTOPAR_P2P_TAGS", "0") not in ("", "0")
+
+
+def recv_prefetch(device_type: str) -> bool:
+    """Whether receives are posted ahead of their lowered place (runtime/distributed.py): on the
+    CPU by default; ``AUTOPAR_P2P_PREFETCH=0`` posts them where the lowered program puts them,
+    as on GPUs (``=1`` prefetches there too)."""
+    value = os.environ.get("AUTOPAR_P2P_PREFETCH", "")
+    return device_type == "cpu" if value == "" else value != "0"
+
+
 def p2p_tag(send_stage: int, microbatch: int, backward: bool, index: int, num_microbatches: int) -> int:
     assert index < _MAX_TENSORS, f"more than {_MAX_TENSORS} tensors cross one stage boundary"
+    if not p2p_tags_enabled():
+        return 0
     return ((send_stage * num_microbatches + microbatch) * 2 + int(backward)) * _MAX_TENSORS + index
 
 
@@ -76,6 +96,21 @@ def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
     all_gather_flat(out, tensor, group=group)
     return out
+
+
+def broadcast_object(obj, src: int = 0, group=None):
+    """``obj`` of global rank ``src`` on every rank of ``group`` (pickled)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def group_names() -> frozenset[str]:
+    """The names of the process groups this process belongs to (what functional collectives in a
+    captured graph take as their ``group_name`` argument)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return frozenset(c10d._world.pg_names.values()) if dist.is_initialized() else frozenset()
 
 
 def all_gather_object(obj, group=None) -> list:

@@ -2,7 +2,8 @@
 
 Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one pipeline
 replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by
-tagged isend/irecv; a receive is posted where the lowered schedule puts its RECV and waited
+isend/irecv on one two-rank group per direction, matched in posting order as NCCL matches
+them (tags 0; runtime/comms.py); a receive is posted where the lowered schedule puts its RECV and waited
 on just before the compute that reads it;
 a sent tensor is dropped as soon as the schedule proves its receiver has it (runtime/send_release.py:
 at the first later message from that receiver), so what a rank holds of its sends is bounded
@@ -96,11 +97,12 @@ class DistributedPipeline:
         # receive is posted at its place in the program or, earlier, as soon as the previous
         # receive from the same peer was consumed (the first at the start of the step): gloo's
         # receive is cheap while its message is still on the way, and costs 1-2 ms of
-        # contention with gloo's I/O thread once the message sits in the socket. Gloo matches
-        # by tag and its receives never block the sender. Not on NCCL: a receive kernel posted
-        # early blocks its stream, and the send queued behind it could deadlock the pair; there
-        # the lowered placement (a receive only after its send was issued) is kept as is.
-        self._prefetch = device.type == "cpu"
+        # contention with gloo's I/O thread once the message sits in the socket. Each peer's
+        # receives keep their order, on that peer's own channel (mesh.p2p_groups), so the
+        # messages still match in posting order: schedules/nccl.prefetched replays exactly this
+        # under NCCL's rules in the property tests, and it passes for every schedule. On CUDA
+        # the lowered placement is kept as is (nothing measured to gain there yet).
+        self._prefetch = comms.recv_prefetch(device.type)
         last: dict[int, tuple[str, int, int]] = {}  # peer -> its latest receive so far
         self._recv_first: list[tuple[str, int, int]] = []  # each peer's first receive of a step
         self._recv_next: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # -> same peer's next
@@ -224,14 +226,16 @@ class DistributedPipeline:
         bufs = {n: torch.empty(w.shape, dtype=w.dtype, device=self.device) for n, w in self._in_wires[s].items()}
         tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
         with self.comm.launch():
-            self._pending["F", s, k] = comms.irecv(bufs, peer, tags, what=f"activations from {s - 1}F{k}")
+            self._pending["F", s, k] = comms.irecv(bufs, peer, tags, self._channel(s - 1, s),
+                                                   what=f"activations from {s - 1}F{k}")
 
     def _post_b(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s + 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
         tags = [comms.p2p_tag(s + 1, k, True, i, self._m) for i in range(len(bufs))]
         with self.comm.launch():
-            self._pending["B", s, k] = comms.irecv(bufs, peer, tags, what=f"gradients from {s + 1}I{k}")
+            self._pending["B", s, k] = comms.irecv(bufs, peer, tags, self._channel(s + 1, s),
+                                                   what=f"gradients from {s + 1}I{k}")
 
     def wait_f(self, s: int, k: int) -> None:
         self.at(f"waiting for {s}RECV_F{k}")
@@ -271,7 +275,8 @@ class DistributedPipeline:
         packed = [w.pack(outs[n]) for n, w in wires.items()]
         self._check_sent(s, s + 1, "activations", packed, self._act_out_specs[s])
         with self.comm.launch():
-            self._hold_send(("F", s, k), comms.isend(packed, self.mesh.global_rank(self.owner[s + 1]), tags))
+            self._hold_send(("F", s, k), comms.isend(packed, self.mesh.global_rank(self.owner[s + 1]), tags,
+                                                     self._channel(s, s + 1)))
 
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
@@ -280,7 +285,12 @@ class DistributedPipeline:
         grads = [gin[n] for n in specs]
         self._check_sent(s, s - 1, "input gradients", grads, specs)
         with self.comm.launch():
-            self._hold_send(("B", s, k), comms.isend(grads, self.mesh.global_rank(self.owner[s - 1]), tags))
+            self._hold_send(("B", s, k), comms.isend(grads, self.mesh.global_rank(self.owner[s - 1]), tags,
+                                                     self._channel(s, s - 1)))
+
+    def _channel(self, from_stage: int, to_stage: int):
+        """The group carrying messages from ``from_stage``'s rank to ``to_stage``'s (mesh.p2p_groups)."""
+        return self.mesh.p2p_groups[self.owner[from_stage], self.owner[to_stage]]
 
     def _check_sent(self, s: int, to: int, what: str, tensors: list, specs: dict) -> None:
         """A message must be what its receiver allocated: a runtime value that differs from

@@ -14,6 +14,8 @@ Groups (all ranks create all of them, in the same order, as torch requires):
   expert_group   the replicas with the same ep_rank: gradients of expert-sharded parameters are
                  summed here
   tied_groups    per tied parameter, the pipeline ranks of one replica that hold it
+  p2p_groups     per ordered pair of pipeline ranks that exchange activations or gradients,
+                 a two-rank group carrying that direction's messages only (add_p2p_groups)
   tp_group       the tp ranks of one pipeline rank of one replica (tensor-parallel all-reduces)
 Every group but tp_group joins ranks of the same tp rank. A group of one rank is None (nothing
 to communicate).
@@ -41,6 +43,7 @@ class Mesh:
     expert_group: object = None
     tp_group: object = None
     tied_groups: dict = field(default_factory=dict)  # canonical fqn -> group of the pp ranks holding it
+    p2p_groups: dict = field(default_factory=dict)   # (sending pp rank, receiving pp rank) -> group
 
     @property
     def world(self) -> int:
@@ -169,3 +172,22 @@ def add_tied_groups(mesh: Mesh, stages, trainable: set[str], stage_to_rank, time
                 g = comms.new_group([(rep * pp + r) * mesh.tp + t for r in owners], timeout)
                 if (rep, t) == (mesh.replica, mesh.tp_rank) and mesh.pp_rank in owners:
                     mesh.tied_groups[fqn] = g
+
+
+def add_p2p_groups(mesh: Mesh, stage_to_rank, timeout: timedelta) -> None:
+    """One two-rank group per direction of every pair of pipeline ranks that hold adjacent
+    stages (per replica and tp rank): the channel of schedules/nccl.py's ``"direction"`` layout.
+    Under NCCL each group is its own communicator and stream, so a rank's sends to a peer never
+    wait behind its receives from that peer (one shared communicator lets 1f1b's crossing
+    send/receive pairs wait on each other forever once messages are too big to buffer)."""
+    pp = mesh.pp
+    pairs = sorted({(a, b) for s in range(len(stage_to_rank) - 1)
+                    for a, b in ((stage_to_rank[s], stage_to_rank[s + 1]), (stage_to_rank[s + 1], stage_to_rank[s]))
+                    if a != b})
+    for rep in range(mesh.replicas):
+        for t in range(mesh.tp):
+            for a, b in pairs:
+                g = comms.new_group([(rep * pp + r) * mesh.tp + t for r in sorted((a, b))], timeout)
+                if (rep, t) == (mesh.replica, mesh.tp_rank) and mesh.pp_rank in (a, b):
+                    mesh.p2p_groups[a, b] = g
+

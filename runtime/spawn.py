@@ -1,4 +1,4 @@
-"""Run a function on N gloo ranks (spawned processes, FileStore rendezvous, one thread each).
+"""Run a function on N gloo (or NCCL) ranks (spawned processes, FileStore rendezvous, one thread each).
 
 For tests and benchmarks: ``run_ranks(fn, world, *args)`` returns every rank's result, in
 processes started for that one call; ``RankPool(world).run(fn, *args)`` does the same in
@@ -21,23 +21,28 @@ from datetime import timedelta
 import torch.multiprocessing as mp
 
 
-def _join(rank, world, store_path, timeout_s):
-    """One intra-op thread, and this process in the gloo group (FileStore rendezvous)."""
+def _join(rank, world, store_path, timeout_s, backend: str = "gloo"):
+    """One intra-op thread, and this process in the group (FileStore rendezvous). ``"nccl"``:
+    rank r on GPU r."""
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    kw = {}
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        kw["device_id"] = torch.device("cuda", rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s), **kw)
 
 
-def _worker(rank, world, store_path, fn, args, result_dir, timeout_s):
+def _worker(rank, world, store_path, fn, args, result_dir, timeout_s, backend="gloo"):
     import torch.distributed as dist
 
     out = os.path.join(result_dir, f"rank{rank}.pkl")
     try:
-        _join(rank, world, store_path, timeout_s)
+        _join(rank, world, store_path, timeout_s, backend)
         result = fn(rank, world, *args)
         with open(out, "wb") as fh:
             pickle.dump(("ok", result), fh)
@@ -77,22 +82,12 @@ def _pool_worker(rank, world, store_path, conn, timeout_s):
     conn.close()
 
 
-def same_hash_seed() -> None:
-    """Give the processes started from here one Python hash seed (``PYTHONHASHSEED=0`` unless
-    one is set): model code that iterates over a set of strings (transformers' Gemma 3 computes
-    its local and global RoPE tables that way) then traces the same graph, in the same order and
-    with the same node names, on every rank, which the pipeline's boundaries rely on. A spawned
-    process reads the variable when its interpreter starts."""
-    os.environ.setdefault("PYTHONHASHSEED", "0")
-
-
 class RankPool:
     """``world`` gloo processes that stay up: ``run(fn, *args)`` runs ``fn(rank, world, *args)``
     on every rank and returns the results, like ``run_ranks``. After a failure or a missed
     deadline the processes are killed and the pool is closed (``closed``)."""
 
     def __init__(self, world: int, timeout_s: float = 30.0, start_s: float = 120.0):
-        same_hash_seed()
         ctx = mp.get_context("spawn")
         self.world, self.closed = world, False
         self._tmp = tempfile.TemporaryDirectory()
@@ -160,16 +155,28 @@ class RankPool:
         self._tmp.cleanup()
 
 
-def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float = 240.0, expect_failure=False):
-    """Run fn(rank, world, *args) on `world` ranks; return the per-rank results (or errors)."""
-    same_hash_seed()
+def run_ranks(fn, world: int, *args, timeout_s: float = 30.0, deadline_s: float = 240.0, expect_failure=False,
+              hash_seeds: list[str] | None = None, backend: str = "gloo"):
+    """Run fn(rank, world, *args) on `world` ranks; return the per-rank results (or errors).
+    ``backend="nccl"``: one GPU per rank (benchmarks/gpu_check.py).
+    ``hash_seeds``: each rank's ``PYTHONHASHSEED`` (default: whatever this process passes on;
+    unset, each process draws its own, as under torchrun: the build aligns their graphs)."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world, store_path, fn, args, tmp, timeout_s))
+        procs = [ctx.Process(target=_worker, args=(r, world, store_path, fn, args, tmp, timeout_s, backend))
                  for r in range(world)]
-        for p in procs:
-            p.start()
+        before = os.environ.get("PYTHONHASHSEED")
+        try:
+            for r, p in enumerate(procs):
+                if hash_seeds is not None:  # a spawned interpreter reads it when it starts
+                    os.environ["PYTHONHASHSEED"] = str(hash_seeds[r])
+                p.start()
+        finally:
+            if before is None:
+                os.environ.pop("PYTHONHASHSEED", None)
+            else:
+                os.environ["PYTHONHASHSEED"] = before
         end = time.monotonic() + deadline_s
         while time.monotonic() < end and any(p.is_alive() for p in procs):
             time.sleep(0.05)

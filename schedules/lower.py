@@ -87,10 +87,12 @@ def lower(schedule: Schedule, costs=None) -> Lowered:
         end[r].append(t1)
     sends_after: list[dict[int, list[Action]]] = [{} for _ in range(pp)]
     recvs_before: list[dict[int, list[tuple[float, Action]]]] = [{} for _ in range(pp)]
+    order = 0  # sends in each sender's program order: ties of issue time keep it (below)
     for r, acts in enumerate(schedule.actions):
         ovl = schedule.overlaps(r)
         for i, a in enumerate(acts):
             for send, dst, recv in _messages(schedule, a):
+                order += 1
                 # The F half of an F&B unit finishes with the unit: send after both halves.
                 at = i + 1 if i in ovl else i
                 sends_after[r].setdefault(at, []).append(send)
@@ -102,7 +104,7 @@ def lower(schedule: Schedule, costs=None) -> Lowered:
                 # the receive then goes after the unit, which started before the send.
                 if j > 0 and (j - 1) in schedule.overlaps(dst):
                     j += 1
-                recvs_before[dst].setdefault(j, []).append((issued, recv))
+                recvs_before[dst].setdefault(j, []).append((issued, order, recv))
     programs, overlaps = [], []
     for r, acts in enumerate(schedule.actions):
         prog: list[Action] = []
@@ -110,7 +112,9 @@ def lower(schedule: Schedule, costs=None) -> Lowered:
         ovl = schedule.overlaps(r)
 
         def flush_recvs(j: int) -> None:
-            for _t, recv in sorted(recvs_before[r].get(j, []), key=lambda x: (x[0], str(x[1]))):
+            # in the order the peer sends: NCCL matches a pair's messages by order, not tag
+            # (schedules/nccl.py); an F&B unit's two sends are issued at one time, F first
+            for _t, _order, recv in sorted(recvs_before[r].get(j, []), key=lambda x: (x[0], x[1])):
                 prog.append(recv)
 
         for i, a in enumerate(acts):

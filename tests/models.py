@@ -476,3 +476,58 @@ ALL_CASES: dict[str, Callable[..., ModelCase]] = {
     "skip": make_skip,
     "multi_io": make_multi_io,
 }
+
+
+# --------------------------------------------------------------------------------------------
+# grad_modes (not in ALL_CASES: tests/integration/test_grad_mode_local.py and tests/dist run it)
+# --------------------------------------------------------------------------------------------
+
+GRAD_MODES = ("no_grad", "enable_inside", "set_grad_enabled", "inference_mode")
+
+
+class GradModeMLP(nn.Module):
+    """A chain of Linear layers with one region run without gradient (issue 52), in one of the
+    ``GRAD_MODES`` spellings. ``only_there`` is used inside the region alone (eager gives it no
+    gradient); ``mid`` is used inside the region and again after it (a gradient from the second
+    use only); ``enable_inside`` turns gradients back on for ``inner`` inside the region."""
+
+    def __init__(self, variant: str, d: int = 16, d_out: int = 4):
+        super().__init__()
+        assert variant in GRAD_MODES, variant
+        self.variant = variant
+        self.first = nn.Linear(d, d)
+        self.mid = nn.Linear(d, d)
+        self.only_there = nn.Linear(d, d)
+        self.inner = nn.Linear(d, d)
+        self.after = nn.ModuleList(nn.Linear(d, d) for _ in range(3))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        z = self.first(x)
+        if self.variant == "no_grad":
+            with torch.no_grad():
+                z = self.mid(torch.tanh(z)) + self.only_there(x)
+        elif self.variant == "enable_inside":
+            with torch.no_grad():
+                t = self.mid(torch.tanh(z)) + self.only_there(x)
+                with torch.enable_grad():
+                    z = self.inner(torch.tanh(t)) + z  # gradient to inner and (through z) first
+        elif self.variant == "set_grad_enabled":
+            torch.set_grad_enabled(False)
+            z = self.mid(torch.tanh(z)) + self.only_there(x)
+            torch.set_grad_enabled(True)
+        else:
+            with torch.inference_mode():
+                z = self.mid(torch.tanh(z)) + self.only_there(x)
+        for layer in self.after:
+            z = layer(torch.tanh(z))
+        z = self.mid(torch.tanh(z))
+        return self.head(z)
+
+
+def make_grad_modes(seed: int = 0, variant: str = "no_grad") -> ModelCase:
+    torch.manual_seed(seed)
+    model = GradModeMLP(variant)
+    x = torch.randn(BATCH, 16)
+    target = torch.randn(BATCH, 4)
+    return ModelCase(f"grad_modes_{variant}", model, (x,), target, F.mse_loss)

@@ -3,8 +3,8 @@ eager PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps
 
   2 ranks: pp=2 with zbv: GPT-2, Llama, Gemma2 (with the chunked loss), Mixtral,
            DeepSeek-V3, BERT, Llama 4 (experts given rows grouped by expert), Gemma 3 (its local and
-           global RoPE tables computed by iterating over a set of layer types: the ranks trace the
-           same graph only with one Python hash seed, runtime/spawn.same_hash_seed), and with 1f1b: Llama (every model with AUTOPAR_HF_FULL=1, which also adds Qwen2, Mistral,
+           global RoPE tables computed by iterating over a set of layer types: each process has its
+           own Python hash seed, the build aligns their graphs, passes/align.py), and with 1f1b: Llama (every model with AUTOPAR_HF_FULL=1, which also adds Qwen2, Mistral,
            Qwen3-MoE and Gemma2 with the loss as captured)
            (the causal mask crosses the pipeline cut as a broadcast view; Gemma2's eager
            soft-capped attention; MoE blocks in local mode)

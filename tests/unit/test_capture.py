@@ -57,6 +57,69 @@ def test_data_dependent_control_flow_raises_capture_error_naming_the_line():
     assert elapsed < 30
 
 
+class _SplitBySizes(nn.Module):
+    """A hand-written MoE: expert split sizes read with ``.tolist()`` (data-dependent sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        ids = self.router(x).argmax(-1)
+        order = torch.argsort(ids)
+        sizes = torch.bincount(ids, minlength=2).tolist()  # the sizes line
+        parts = torch.split(x[order], sizes)
+        return torch.cat([e(p) for e, p in zip(self.experts, parts)]).sum()
+
+
+class _MaskSelect(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[h > 0].sum()  # the mask line
+
+
+class _NumpyOp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return torch.from_numpy(h.detach().numpy()).sum() + h.sum()  # the numpy line
+
+
+def _line_of(marker: str) -> int:
+    import inspect
+
+    lines = inspect.getsource(inspect.getmodule(_line_of)).splitlines()
+    return next(i for i, text in enumerate(lines, 1) if marker in text and "_line_of" not in text)
+
+
+@pytest.mark.parametrize("model, marker, kind", [
+    (_SplitBySizes, "# the sizes line", "a number read from a tensor"),
+    (_MaskSelect, "# the mask line", "a data-dependent shape"),
+    (_NumpyOp, "# the numpy line", "an operation torch.export cannot capture"),
+], ids=["tolist-sizes", "mask-select", "numpy"])
+def test_capture_failures_name_the_file_line_and_kind(model, marker, kind, capsys):
+    """Issue 52 G2: each failure is a CaptureError naming this file and the offending line, what
+    kind of problem it is and the fix, with torch's own exception chained (when torch raised
+    one), and torch's partial graph is not printed over it."""
+    with pytest.raises(autopar.CaptureError) as info:
+        capture(model(), (torch.randn(4, 4),))
+    msg = str(info.value)
+    assert f"test_capture.py:{_line_of(marker)}:" in msg, msg
+    assert kind in msg and "Fix:" in msg, msg
+    if model is _SplitBySizes:
+        assert "autopar.nn.MoE" in msg  # the supported way to write the pattern
+        assert info.value.__cause__ is not None
+    assert "def forward" not in capsys.readouterr().err
+
+
 class _VectorLoss(nn.Module):
     def __init__(self):
         super().__init__()

@@ -8,7 +8,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.schedules import build, check_deadlock_free, lower, names, peak_memory, simulate, validate
+from autopar.schedules import (
+    build,
+    check_deadlock_free,
+    check_nccl,
+    lower,
+    names,
+    peak_memory,
+    prefetched,
+    simulate,
+    validate,
+)
 from autopar.schedules.registry import GENERATORS
 
 EPS = 1e-9
@@ -51,6 +61,10 @@ def _check(name, p, m, v, costs, latency, limit=None):
     _forwards_in_order(s)
     low = lower(s, costs)
     assert check_deadlock_free(low)
+    # NCCL's rules (schedules/nccl.py) on the runtime's channels, as placed and as the CPU
+    # runtime prefetches receives
+    assert check_nccl(low.actions, s.stage_to_rank, s.num_stages, "direction", name)
+    assert check_nccl(prefetched(low.actions, s.stage_to_rank), s.stage_to_rank, s.num_stages, "direction", name)
     assert low.comm_count() > 0
     peak = max(peak_memory(s))
     bound = limit if limit is not None else GENERATORS[name].peak_bound(p, m, v)
