@@ -30,7 +30,7 @@ from autopar.runtime.moe_exchange import entries_of, serving
 from .captured import CapturedGraph
 from .causal_mask import make_causal
 from .costs import annotate_costs
-from .grad_mode import detach_no_grad_outputs, inference_mode_as_no_grad
+from .grad_mode import detach_no_grad_outputs, grad_mode_capture
 
 log = logging.getLogger("autopar")
 
@@ -87,8 +87,16 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
     wrapper = _ModelWithLoss(model, loss_fn, len(inputs), input_names)
     args = inputs + ((target,) if loss_fn is not None else ())
     try:
-        with _quiet_export_logs(), inference_mode_as_no_grad():
+        files = _model_files(model, loss_fn)
+        with _quiet_export_logs(), grad_mode_capture(lambda stack: _pick_frame(stack, files, strict=True)) as lost:
             ep = torch.export.export(wrapper, args, strict=False)
+        if lost:
+            raise CaptureError(
+                f"autopar could not capture {type(model).__name__}: gradients are turned off inside a torch.autocast "
+                f"block at {_where(lost[0])}; torch.export keeps no record of that region, and its values would "
+                "carry gradients.\n  Fix: open the no_grad block outside the autocast block (or autocast outside "
+                "the model: the usual place), or .detach() the values it computes.")
+        with _quiet_export_logs():
             _refuse_data_dependent_shapes(ep, model, loss_fn)
             # before the decomposition inlines the grad-mode regions: their outputs carry no gradient
             detach_no_grad_outputs(ep.graph_module, {s.arg.name for s in ep.graph_signature.input_specs
@@ -359,9 +367,10 @@ def _model_files(model: nn.Module, loss_fn) -> set[str]:
     return files
 
 
-def _pick_frame(frames: list[tuple[str, int, str]], files: set[str]):
-    """The deepest (file, line, code) in the model's own files, else the deepest no library wrote."""
-    usable = [f for f in frames if not _infrastructure(f[0]) and "site-packages" not in f[0]]
+def _pick_frame(frames: list[tuple[str, int, str]], files: set[str], strict: bool = False):
+    """The deepest (file, line, code) in the model's own files, else the deepest no library wrote
+    (``strict``: only the model's own files, else None)."""
+    usable = [] if strict else [f for f in frames if not _infrastructure(f[0]) and "site-packages" not in f[0]]
     in_model = [f for f in frames if os.path.abspath(f[0]) in files]
     return (in_model or usable or [None])[-1]
 

@@ -13,9 +13,11 @@ backward has no work there) all follow without knowing about grad modes. A param
 inside such a region gets no gradient, as in eager.
 
 ``inference_mode`` is not recorded by export at all (its ops land in the graph as if gradients
-were on); ``inference_mode_as_no_grad`` makes it enter ``no_grad`` while a model is captured,
-which is its meaning for gradients (inference tensors' other restrictions do not matter to a
-captured graph).
+were on); ``grad_mode_capture`` makes it enter ``no_grad`` while a model is captured, which is
+its meaning for gradients (inference tensors' other restrictions do not matter to a captured
+graph). A no-grad region inside a ``torch.autocast`` block in forward is not recorded either
+(export nests it in the autocast wrapper with no grad-mode wrapper): ``grad_mode_capture``
+notes where one starts, and the capture refuses it by name.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import operator
 
 import torch
 import torch.fx as fx
+from torch.utils._pytree import tree_leaves
 
 from autopar.errors import CaptureError
 
@@ -31,12 +34,21 @@ _WRAP = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 
 @contextlib.contextmanager
-def inference_mode_as_no_grad():
-    """While active, ``torch.inference_mode()`` (as a context manager or a decorator, applied
-    before or after this is entered) turns gradients off as ``no_grad`` does, so export records
-    its region; ``inference_mode(False)`` leaves the grad mode as it is."""
-    cls = torch.autograd.grad_mode.inference_mode
-    enter, exit_ = cls.__enter__, cls.__exit__
+def grad_mode_capture(user_frame):
+    """While a model is exported: ``torch.inference_mode()`` (as a context manager or a decorator,
+    applied before or after this is entered) turns gradients off as ``no_grad`` does, so export
+    records its region (``inference_mode(False)`` leaves the grad mode as it is); and every place
+    where model code turns gradients off inside a ``torch.autocast`` block is collected in the
+    yielded list (when the autocast block is the model's own, opened during the capture), as
+    ``user_frame(stack)`` names it (``(file, line, code)``, or None for frames
+    of torch or autopar): torch.export (2.11, 2.13) keeps no record of such a region, its ops
+    land in the autocast wrapper as if gradients were on, and the capture must refuse it."""
+    import traceback
+
+    inference, grad = torch.autograd.grad_mode.inference_mode, torch.autograd.grad_mode.set_grad_enabled
+    enter, exit_, init = inference.__enter__, inference.__exit__, grad.__init__
+    lost: list[tuple[str, int, str]] = []
+    outer = _autocast_on()  # a capture run inside the user's own autocast: not the model's block
 
     def _enter(self):
         self._autopar_no_grad = torch.no_grad() if self.mode else contextlib.nullcontext()
@@ -45,11 +57,22 @@ def inference_mode_as_no_grad():
     def _exit(self, *exc):
         self._autopar_no_grad.__exit__(*exc)
 
-    cls.__enter__, cls.__exit__ = _enter, _exit
+    def _init(self, mode: bool) -> None:
+        if not mode and torch.is_grad_enabled() and not outer and _autocast_on():
+            frame = user_frame([(f.filename, f.lineno, f.line or "") for f in traceback.extract_stack()])
+            if frame is not None:
+                lost.append(frame)
+        init(self, mode)
+
+    inference.__enter__, inference.__exit__, grad.__init__ = _enter, _exit, _init
     try:
-        yield
+        yield lost
     finally:
-        cls.__enter__, cls.__exit__ = enter, exit_
+        inference.__enter__, inference.__exit__, grad.__init__ = enter, exit_, init
+
+
+def _autocast_on() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 def detach_no_grad_outputs(gm: fx.GraphModule, param_names: set[str]) -> int:
@@ -137,8 +160,6 @@ def gradient_paths(graph: fx.Graph, loss: fx.Node) -> set[fx.Node]:
 
 
 def _float_valued(node: fx.Node) -> bool:
-    from torch.utils._pytree import tree_leaves
-
     return any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
                for v in tree_leaves(node.meta.get("val")))
 

@@ -120,6 +120,28 @@ def test_capture_failures_name_the_file_line_and_kind(model, marker, kind, capsy
     assert "def forward" not in capsys.readouterr().err
 
 
+class _NoGradInAutocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            with torch.no_grad():  # the autocast line
+                h = self.b(h)
+            h = h.float()
+        return h.sum()
+
+
+def test_no_grad_inside_autocast_is_refused_by_name():
+    """torch.export records no grad mode for a no_grad block inside the model's own autocast
+    block (its ops would carry gradients): refused, naming the line, never trained wrongly."""
+    with pytest.raises(autopar.CaptureError, match=r"inside a torch.autocast block at .*test_capture.py:"
+                                                   rf"{_line_of('# the autocast line')}:"):
+        capture(_NoGradInAutocast(), (torch.randn(4, 4),))
+
+
 class _VectorLoss(nn.Module):
     def __init__(self):
         super().__init__()
