@@ -299,6 +299,8 @@ def _nccl_rank(rank, world, schedule, args):
 
 
 def check_nccl_pipeline(args) -> bool:
+    """Check 6: pp=2 over NCCL under each of NCCL_SCHEDULES against eager on one GPU (skipped,
+    and passing, on a machine with fewer than 2 GPUs)."""
     import torch
 
     from autopar.examples.gpt import make_gpt

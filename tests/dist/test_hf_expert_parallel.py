@@ -266,6 +266,7 @@ def routing_counts(name: str, world_dp: int, m: int):
 
 
 def _train_all(rank, world, names):
+    import os
     import traceback
 
     import torch
@@ -276,9 +277,16 @@ def _train_all(rank, world, names):
     for name in names:
         try:
             case = make_case(name)
-            pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
-                                     optimizer=functools.partial(torch.optim.SGD, lr=lr_of(name)),
-                                     plan=autopar.Plan(**plan_of(world, name)), example_target=case.target)
+            # the pipelined world (dualpipev) posts its receives where the lowered program puts
+            # them, as on GPUs (issue 48 N1; P2P tags are 0 everywhere: runtime/comms.py); the
+            # switch is read when the pipeline is built
+            os.environ["AUTOPAR_P2P_PREFETCH"] = "0" if world == 4 else ""
+            try:
+                pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
+                                         optimizer=functools.partial(torch.optim.SGD, lr=lr_of(name)),
+                                         plan=autopar.Plan(**plan_of(world, name)), example_target=case.target)
+            finally:
+                os.environ.pop("AUTOPAR_P2P_PREFETCH")
             ep = pm.built.parallelisms["ep"]
             with _recording_all_to_alls() as wire:
                 losses = [pm.step(case.inputs, case.target)]
