@@ -7,7 +7,8 @@ from autopar.errors import CaptureError
 from autopar.plan import Plan
 
 __version__ = "0.1.0"
-__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "MixedPrecision", "init_weights", "nn", "Muon"]
+__all__ = ["parallelize", "Plan", "CaptureError", "ParallelModel", "MixedPrecision", "init_weights", "nn", "data",
+           "Muon"]
 
 
 def __getattr__(name):
@@ -28,8 +29,8 @@ def __getattr__(name):
         from autopar.runtime.materialize import init_weights
 
         return init_weights
-    if name == "nn":  # autopar.nn.MoE without a separate import
+    if name in ("nn", "data"):  # autopar.nn.MoE, autopar.data.pack without a separate import
         import importlib
 
-        return importlib.import_module("autopar.nn")
-    raise AttributeError(name)
+        return importlib.import_module(f"autopar.{name}")
+    raise AttributeError(f"module 'autopar' has no attribute {name!r}")

@@ -198,3 +198,15 @@ def test_packed_batches_lose_nothing_and_fill_greedily():
         k += len(got)
         before = [int(p.numel()) for p in pieces[k - len(got):k]]
         assert len(_best_fit_decreasing(before + [int(pieces[k].numel())], 16)) > 3
+
+
+def test_the_readme_spelling_works_after_import_autopar_alone():
+    """``autopar.data.pack(...)`` as the README writes it, in a process that imported nothing but
+    ``autopar`` (in this one, other tests may have imported autopar.data already)."""
+    import subprocess
+    import sys
+
+    code = ("import torch, autopar; b = autopar.data.pack([torch.arange(1, 6), torch.arange(1, 4)], seq_len=8, "
+            "groups=1); print(type(b).__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
