@@ -24,6 +24,7 @@ from autopar.passes import keys
 from autopar.passes.program import StageInfo, StageProgram
 from autopar.schedules.ir import forward_only
 from autopar.schedules.lower import lower
+from autopar.schedules.nccl import check_nccl, prefetched
 
 from . import boundary, comms
 from .actions import interpret
@@ -103,6 +104,10 @@ class DistributedPipeline:
         # under NCCL's rules in the property tests, and it passes for every schedule. On CUDA
         # the lowered placement is kept as is (nothing measured to gain there yet).
         self._prefetch = comms.recv_prefetch(device.type)
+        # the programs obey NCCL's point-to-point rules on the channels used (one group per
+        # direction), as lowered and as the receives are posted here: a named error otherwise
+        issued = prefetched(lowered.actions, schedule.stage_to_rank) if self._prefetch else lowered.actions
+        check_nccl(issued, schedule.stage_to_rank, schedule.num_stages, "direction", schedule.name)
         last: dict[int, tuple[str, int, int]] = {}  # peer -> its latest receive so far
         self._recv_first: list[tuple[str, int, int]] = []  # each peer's first receive of a step
         self._recv_next: dict[tuple[str, int, int], tuple[str, int, int]] = {}  # -> same peer's next

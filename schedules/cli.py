@@ -18,6 +18,7 @@ import sys
 from autopar.schedules import render
 from autopar.schedules.ir import linear_layout
 from autopar.schedules.lower import check_deadlock_free, lower
+from autopar.schedules.nccl import check_nccl
 from autopar.schedules.registry import GENERATORS, build
 from autopar.schedules.simulate import simulate
 from autopar.schedules.validate import validate
@@ -99,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
         sched = build(args.name, args.pp, args.microbatches, args.stages_per_rank, costs=costs,
                       memory_limit=args.memory_limit, p2p_latency=args.p2p_latency, effort=args.effort)
         validate(sched)
-        check_deadlock_free(lower(sched))
+        lowered = lower(sched)
+        check_deadlock_free(lowered)
+        # NCCL's point-to-point rules on the runtime's channels (one communicator per direction)
+        check_nccl(lowered.actions, sched.stage_to_rank, sched.num_stages, "direction", sched.name)
         if args.json:
             print(sched.to_json())
         result = simulate(sched, costs, p2p_latency=args.p2p_latency)
