@@ -1,7 +1,8 @@
 """Issue 52, G1 on gloo: a no-grad region of the forward (tests/models.GradModeMLP) trains
 exactly as eager at pp=2 zbv with stage cuts inside the region, at its output and after it
-(with and without recomputation), and at dp=2 x pp=2 1f1b (ZeRO 0 and 3). The parameter used
-only inside the region gets no gradient on any rank, so AdamW's weight decay leaves it alone.
+(with and without recomputation), at dp=2 x pp=2 1f1b (ZeRO 0 and 3), and at tp=2 (with
+sequence parallelism too). The parameter used only inside the region gets no gradient on any
+rank, so AdamW's weight decay leaves it alone.
 """
 import copy
 import functools
@@ -19,7 +20,10 @@ CUTS = (3, 5, 7)
 MATRIX = {
     2: [("no_grad", dict(pp=2, schedule="zbv", num_microbatches=4, stage_cuts=CUTS)),
         ("enable_inside", dict(pp=2, schedule="zbv", num_microbatches=4, stage_cuts=CUTS, recompute=(0, 1))),
-        ("inference_mode", dict(pp=2, schedule="1f1b", num_microbatches=2, stage_cuts=(5,)))],
+        ("inference_mode", dict(pp=2, schedule="1f1b", num_microbatches=2, stage_cuts=(5,))),
+        # tensor parallelism shards the chain's linears around the region
+        ("no_grad", dict(tp=2, num_microbatches=2)),
+        ("enable_inside", dict(tp=2, num_microbatches=2, sequence_parallel=True))],
     4: [("no_grad", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2, stage_cuts=(5,))),
         ("set_grad_enabled", dict(pp=2, dp=2, schedule="1f1b", num_microbatches=2, zero=3, stage_cuts=(5,)))],
 }
