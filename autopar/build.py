@@ -330,23 +330,24 @@ def capture_microbatch(*, model: nn.Module, inputs: tuple, target, loss_fn, prec
 
 
 def same_graph_everywhere(*, captured, mesh):
-    """Distributed pipelines: every pipeline rank continues from its replica's first pipeline
-    rank's node order and names (passes/align.py), so model code whose trace order follows the
-    Python hash seed (iterating over a set of strings) gives them the same stage cuts and
-    boundaries without PYTHONHASHSEED. A rank that cannot align is an error on every rank."""
-    if mesh is None or mesh.pp == 1:
+    """Distributed: every rank continues from global rank 0's node order and names
+    (passes/align.py), so model code whose trace order follows the Python hash seed (iterating
+    over a set of strings) gives every rank the same stage cuts and boundaries, the same order
+    of collectives and the same parameter order per stage, without PYTHONHASHSEED. A rank that
+    cannot align is an error on every rank."""
+    if mesh is None or mesh.world == 1:
         return captured
     from autopar.passes.align import align, fingerprints
     from autopar.runtime import comms
 
     groups = comms.group_names()
-    reference = comms.broadcast_object(fingerprints(captured, groups), src=mesh.global_rank(0), group=mesh.pp_group)
+    reference = comms.broadcast_object(fingerprints(captured, groups), src=0)
     error = None
     try:
         captured = align(captured, reference, groups)
     except ValueError as e:
-        error = f"pipeline rank {mesh.pp_rank}: {e}"
-    errors = [e for e in comms.all_gather_object(error, group=mesh.pp_group) if e is not None]
+        error = f"rank {mesh.rank}: {e}"
+    errors = [e for e in comms.all_gather_object(error) if e is not None]
     if errors:
         raise ValueError("\n".join(errors))
     return captured

@@ -9,9 +9,11 @@ on what crosses a boundary. torchrun and cluster launchers give every process it
 
 ``fingerprints(captured)`` names each node by what it computes, independent of trace order and
 of hashing: its op and constant arguments, its inputs' fingerprints, and for placeholders the
-state or input they stand for (a digest, never Python's ``hash``). The build broadcasts the
-first pipeline rank's ``[(fingerprint, name)]`` to the other pipeline ranks of its replica (the
-ranks that must agree on every stage boundary; one collective, runtime/comms.py), and
+state or input they stand for (a digest, never Python's ``hash``; process-group names and the
+build-local handles autopar's own ops take read as one word). The build broadcasts global rank
+0's ``[(fingerprint, name)]`` to every rank (one collective, runtime/comms.py): pipeline ranks
+must agree on every stage boundary, tensor- and context-parallel ranks on the order of their
+collectives, data-parallel replicas on each stage's parameter order (ZeRO's flat layouts); and
 ``align(captured, reference)``
 returns the capture rebuilt in that node order under those names (the graph of rank 0), or the
 capture itself when it already is. A rank whose fingerprints differ from rank 0's (different
