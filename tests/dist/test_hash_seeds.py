@@ -16,10 +16,6 @@ SEEDS = ["1", "2"]  # two seeds under which the set's order differs (checked bel
 PLAN = dict(pp=2, schedule="zbv", num_microbatches=4)
 
 
-def _set_order(_rank, _world):
-    return list({"sliding_attention", "full_attention"})
-
-
 def _train(rank, world):
     import autopar
     from tests.hf_models import make_hf
@@ -28,12 +24,11 @@ def _train(rank, world):
     pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.5), plan=autopar.Plan(**PLAN),
                              example_target=case.target, timeout=60)
-    return [pm.step(case.inputs, case.target) for _ in range(2)], pm.state_dict()
+    order = list({"sliding_attention", "full_attention"})  # this process's set order
+    return [pm.step(case.inputs, case.target) for _ in range(2)], pm.state_dict(), order
 
 
 def test_gemma3_pipeline_with_a_hash_seed_per_rank():
-    orders = run_ranks(_set_order, 2, hash_seeds=SEEDS)
-    assert orders[0] != orders[1], "pick seeds under which the set iterates in different orders"
     from tests.hf_models import make_hf
     from tests.reference import assert_close_state, eager_reference
 
@@ -41,7 +36,9 @@ def test_gemma3_pipeline_with_a_hash_seed_per_rank():
     ref_losses, ref_state = eager_reference(copy.deepcopy(case.model), case.inputs, case.target, case.loss_fn,
                                             functools.partial(torch.optim.SGD, lr=0.5),
                                             num_microbatches=PLAN["num_microbatches"], steps=2)
-    for rank, (losses, state) in enumerate(run_ranks(_train, 2, hash_seeds=SEEDS, deadline_s=300)):
+    results = run_ranks(_train, 2, hash_seeds=SEEDS, deadline_s=300)
+    assert results[0][2] != results[1][2], "pick seeds under which the set iterates in different orders"
+    for rank, (losses, state, _order) in enumerate(results):
         for got, want in zip(losses, ref_losses):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}: {m}")
         assert_close_state(state, ref_state)
