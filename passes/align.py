@@ -40,7 +40,7 @@ def fingerprints(captured: CapturedGraph, group_names: frozenset[str] = frozense
     if captured.target is not None:
         role[captured.target] = "target"
     for name, t in captured.constants.items():
-        role[name] = "constant:" + _tensor_digest(t)  # shape and dtype: contents may differ per rank (cp, tp)
+        role[name] = "constant:" + _shape_text(t)  # shape and dtype: contents may differ per rank (cp, tp)
     prints: dict[fx.Node, str] = {}
     out = []
     for node in captured.gm.graph.nodes:
@@ -48,7 +48,7 @@ def fingerprints(captured: CapturedGraph, group_names: frozenset[str] = frozense
             text = role.get(node.name, f"placeholder:{node.name}")
         elif node.op == "get_attr":
             value = getattr(captured.gm, node.target)
-            text = "get_attr:" + (_tensor_digest(value) if isinstance(value, torch.Tensor) else type(value).__name__)
+            text = "get_attr:" + (_shape_text(value) if isinstance(value, torch.Tensor) else type(value).__name__)
         else:
             args = fx.node.map_arg((node.args, node.kwargs), lambda a: _Ref(prints[a]))
             if getattr(node.target, "namespace", None) == "autopar":
@@ -151,13 +151,13 @@ def _describe(value, group_names: frozenset[str] = frozenset()) -> str:
     if isinstance(value, dict):
         return "{" + ",".join(f"{k}={_describe(value[k], group_names)}" for k in sorted(value)) + "}"
     if isinstance(value, torch.Tensor):
-        return _tensor_digest(value)
+        return _shape_text(value)
     if isinstance(value, str) and value in group_names:
         return "<group>"
     return repr(value)
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
+def _shape_text(t: torch.Tensor) -> str:
     return f"{tuple(t.shape)}:{t.dtype}"
 
 

@@ -86,8 +86,8 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
         raise ValueError("autopar: loss_fn has parameters; move them into the model so the optimizer sees them")
     wrapper = _ModelWithLoss(model, loss_fn, len(inputs), input_names)
     args = inputs + ((target,) if loss_fn is not None else ())
+    files = _model_files(model, loss_fn)  # where a failure is the user's to fix
     try:
-        files = _model_files(model, loss_fn)
         with _quiet_export_logs(), grad_mode_capture(lambda stack: _pick_frame(stack, files, strict=True)) as lost:
             ep = torch.export.export(wrapper, args, strict=False)
         if lost:
@@ -97,7 +97,7 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
                 "carry gradients.\n  Fix: open the no_grad block outside the autocast block (or autocast outside "
                 "the model: the usual place), or .detach() the values it computes.")
         with _quiet_export_logs():
-            _refuse_data_dependent_shapes(ep, model, loss_fn)
+            _refuse_data_dependent_shapes(ep, model, files)
             # before the decomposition inlines the grad-mode regions: their outputs carry no gradient
             detach_no_grad_outputs(ep.graph_module, {s.arg.name for s in ep.graph_signature.input_specs
                                                      if s.kind == InputKind.PARAMETER})
@@ -106,7 +106,7 @@ def capture(model: nn.Module, inputs: tuple, target=None, loss_fn=None,
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - every failure is re-raised as CaptureError with context
-        raise CaptureError(_explain_capture_failure(model, loss_fn, e)) from e
+        raise CaptureError(_explain_capture_failure(model, files, e)) from e
     captured = _from_exported(ep, wrapper, model, loss_fn is not None)
     _copy_before_training_views(captured, model)
     if causal_masks:
@@ -405,11 +405,11 @@ _SIZE_FIX = ("keep shapes fixed: pad to a capacity, use masks (torch.where) inst
              "run time, not traced")
 
 
-def _explain_capture_failure(model: nn.Module, loss_fn, exc: BaseException) -> str:
+def _explain_capture_failure(model: nn.Module, files: set[str], exc: BaseException) -> str:
     text = str(exc)
     kind = type(exc).__name__
-    frame = _pick_frame(_traceback_frames(exc), _model_files(model, loss_fn))
-    if "Could not extract specialized integer" in text or "could not extract specialized" in text.lower():
+    frame = _pick_frame(_traceback_frames(exc), files)
+    if "could not extract specialized integer" in text.lower():
         what, fix = _DATA_DEPENDENT_SIZE, _SIZE_FIX
     elif "data-dependent" in text or "GuardOnDataDependent" in kind or "DataDependent" in kind:
         what = "data-dependent Python control flow (a branch or shape that depends on tensor values)"
@@ -426,7 +426,7 @@ def _explain_capture_failure(model: nn.Module, loss_fn, exc: BaseException) -> s
             f"  Fix: {fix}.\n  torch.export said: {first[:300]}")
 
 
-def _refuse_data_dependent_shapes(ep, model: nn.Module, loss_fn) -> None:
+def _refuse_data_dependent_shapes(ep, model: nn.Module, files: set[str]) -> None:
     """torch.export captures a value whose shape depends on data (``x[mask]``, ``nonzero``,
     ``unique``, a split by sizes read with ``.tolist()``) as an unbacked size; no stage cut,
     memory plan or fixed-shape program can hold it. Refused here, naming the model line that
@@ -436,7 +436,7 @@ def _refuse_data_dependent_shapes(ep, model: nn.Module, loss_fn) -> None:
     for node in ep.graph_module.graph.nodes:
         shapes = [tuple(v.shape) for v in tree_leaves(node.meta.get("val")) if isinstance(v, torch.Tensor)]
         if node.op == "call_function" and free_unbacked_symbols(shapes):
-            where = _where(node_source(node, _model_files(model, loss_fn)))
+            where = _where(node_source(node, files))
             raise CaptureError(
                 f"autopar could not capture {type(model).__name__}: a data-dependent shape (boolean-mask indexing, "
                 f"nonzero, unique, or sizes read from a tensor) at {where}: `{node.target}` makes a tensor whose "

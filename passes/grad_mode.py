@@ -100,9 +100,7 @@ def detach_no_grad_outputs(gm: fx.GraphModule, param_names: set[str]) -> int:
             continue  # no gradient could flow through it anyway (rotary tables from buffers)
         passthrough = _passthrough_outputs(body)
         for use in list(node.users):
-            val = use.meta.get("val")
-            if (use.target is not operator.getitem or use.args[1] in passthrough or not isinstance(val, torch.Tensor)
-                    or not (val.is_floating_point() or val.is_complex())):
+            if use.target is not operator.getitem or use.args[1] in passthrough or not _float_valued(use):
                 continue
             with graph.inserting_after(use):
                 cut = graph.call_function(torch.ops.aten.detach.default, (use,))

@@ -39,9 +39,8 @@ def recv_prefetch(device_type: str) -> bool:
 
 
 def p2p_tag(send_stage: int, microbatch: int, backward: bool, index: int, num_microbatches: int) -> int:
+    """The tag of one tensor of a message when ``p2p_tags_enabled()`` (else every tag is 0)."""
     assert index < _MAX_TENSORS, f"more than {_MAX_TENSORS} tensors cross one stage boundary"
-    if not p2p_tags_enabled():
-        return 0
     return ((send_stage * num_microbatches + microbatch) * 2 + int(backward)) * _MAX_TENSORS + index
 
 

@@ -104,6 +104,7 @@ class DistributedPipeline:
         # under NCCL's rules in the property tests, and it passes for every schedule. On CUDA
         # the lowered placement is kept as is (nothing measured to gain there yet).
         self._prefetch = comms.recv_prefetch(device.type)
+        self._tagged = comms.p2p_tags_enabled()  # read once: the step loop builds tags per message
         # the programs obey NCCL's point-to-point rules on the channels used (one group per
         # direction), as lowered and as the receives are posted here: a named error otherwise
         issued = prefetched(lowered.actions, schedule.stage_to_rank) if self._prefetch else lowered.actions
@@ -229,7 +230,7 @@ class DistributedPipeline:
     def _post_f(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s - 1])
         bufs = {n: torch.empty(w.shape, dtype=w.dtype, device=self.device) for n, w in self._in_wires[s].items()}
-        tags = [comms.p2p_tag(s - 1, k, False, i, self._m) for i in range(len(bufs))]
+        tags = self._tags(s - 1, k, False, len(bufs))
         with self.comm.launch():
             self._pending["F", s, k] = comms.irecv(bufs, peer, tags, self._channel(s - 1, s),
                                                    what=f"activations from {s - 1}F{k}")
@@ -237,7 +238,7 @@ class DistributedPipeline:
     def _post_b(self, s: int, k: int) -> None:
         peer = self.mesh.global_rank(self.owner[s + 1])
         bufs = {n: torch.empty(shape, dtype=dt, device=self.device) for n, (shape, dt) in self._grad_specs[s].items()}
-        tags = [comms.p2p_tag(s + 1, k, True, i, self._m) for i in range(len(bufs))]
+        tags = self._tags(s + 1, k, True, len(bufs))
         with self.comm.launch():
             self._pending["B", s, k] = comms.irecv(bufs, peer, tags, self._channel(s + 1, s),
                                                    what=f"gradients from {s + 1}I{k}")
@@ -276,7 +277,7 @@ class DistributedPipeline:
     def send_f(self, s: int, k: int) -> None:
         outs = self.work.take_outputs(s, k)
         wires = self._out_wires[s]
-        tags = [comms.p2p_tag(s, k, False, i, self._m) for i in range(len(wires))]
+        tags = self._tags(s, k, False, len(wires))
         packed = [w.pack(outs[n]) for n, w in wires.items()]
         self._check_sent(s, s + 1, "activations", packed, self._act_out_specs[s])
         with self.comm.launch():
@@ -286,12 +287,19 @@ class DistributedPipeline:
     def send_b(self, s: int, k: int) -> None:
         gin = self.work.take_input_grads(s, k)
         specs = self._grad_out_specs[s]
-        tags = [comms.p2p_tag(s, k, True, i, self._m) for i in range(len(specs))]
+        tags = self._tags(s, k, True, len(specs))
         grads = [gin[n] for n in specs]
         self._check_sent(s, s - 1, "input gradients", grads, specs)
         with self.comm.launch():
             self._hold_send(("B", s, k), comms.isend(grads, self.mesh.global_rank(self.owner[s - 1]), tags,
                                                      self._channel(s, s - 1)))
+
+    def _tags(self, send_stage: int, k: int, backward: bool, n: int) -> list[int]:
+        """The tags of a message's ``n`` tensors: 0 (matched by order, as NCCL does), or with
+        ``AUTOPAR_P2P_TAGS=1`` each its own (runtime/comms.py)."""
+        if not self._tagged:
+            return [0] * n
+        return [comms.p2p_tag(send_stage, k, backward, i, self._m) for i in range(n)]
 
     def _channel(self, from_stage: int, to_stage: int):
         """The group carrying messages from ``from_stage``'s rank to ``to_stage``'s (mesh.p2p_groups)."""

@@ -59,7 +59,7 @@ def _messages(schedule: Schedule, a: Action) -> list[tuple[Action, int, Action]]
     return out
 
 
-def _carried(a: Action) -> Key:
+def carried(a: Action) -> Key:
     """The value (a ``deps`` key) that communication action ``a`` moves."""
     s, k = a.stage, a.microbatch
     return {SEND_F: (s, "F", k), SEND_B: (s, "G", k), RECV_F: (s - 1, "F", k), RECV_B: (s + 1, "G", k)}[a.type]
@@ -164,14 +164,14 @@ def check_deadlock_free(lowered: Lowered) -> bool:
             while pos[r] < len(acts):
                 a = acts[pos[r]]
                 if a.type in (SEND_F, SEND_B):
-                    if _carried(a) not in done[r]:
+                    if carried(a) not in done[r]:
                         raise ValueError(f"lowered {sched.name}: rank {r} position {pos[r]}: {a} before the compute "
                                          "that produces its value")
-                    sent.add(_carried(a))
+                    sent.add(carried(a))
                 elif a.type in (RECV_F, RECV_B):
-                    if _carried(a) not in sent:
+                    if carried(a) not in sent:
                         break  # blocks until the peer issues the send
-                    received[r].add(_carried(a))
+                    received[r].add(carried(a))
                 else:
                     unit = [a] + ([acts[pos[r] + 1]] if pos[r] in ovl[r] else [])
                     for u in unit:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from autopar.schedules.deps import needs
 from autopar.schedules.ir import RECV_B, RECV_F, SEND_B, SEND_F, Action
+from autopar.schedules.lower import carried
 
 CHANNELS = ("pair", "direction")
 
@@ -54,12 +55,6 @@ def peer_of(action: Action, stage_to_rank) -> int:
     """The rank at the other end of communication action ``action``."""
     s = action.stage
     return stage_to_rank[{SEND_F: s + 1, SEND_B: s - 1, RECV_F: s - 1, RECV_B: s + 1}[action.type]]
-
-
-def carried(action: Action) -> tuple[int, str, int]:
-    """What a communication action moves: (sending stage, "F" activations or "G" gradients, mb)."""
-    s, k = action.stage, action.microbatch
-    return {SEND_F: (s, "F", k), SEND_B: (s, "G", k), RECV_F: (s - 1, "F", k), RECV_B: (s + 1, "G", k)}[action.type]
 
 
 def channel(rank: int, peer: int, send: bool, layout: str) -> tuple:
@@ -214,6 +209,11 @@ def prefetched(programs, stage_to_rank) -> tuple[tuple, ...]:
     num_stages = len(stage_to_rank)
     out = []
     for prog in programs:
+        reader: dict = {}  # value -> position of the first compute that reads it
+        for j, a in enumerate(prog):
+            if not isinstance(a, tuple) and a.is_compute:
+                for value in needs(a, num_stages):
+                    reader.setdefault(value, j)
         post_at: dict[int, int] = {}
         last: dict[int, int] = {}  # peer -> position of the compute that reads its latest receive
         for i, a in enumerate(prog):
@@ -221,9 +221,7 @@ def prefetched(programs, stage_to_rank) -> tuple[tuple, ...]:
                 continue
             peer = peer_of(a, stage_to_rank)
             post_at[i] = min(i, last.get(peer, 0))
-            value = carried(a)
-            last[peer] = next((j for j in range(i + 1, len(prog)) if not isinstance(prog[j], tuple)
-                               and prog[j].is_compute and value in needs(prog[j], num_stages)), len(prog))
+            last[peer] = reader.get(carried(a), len(prog))
         new = []
         for j, a in enumerate(prog):
             new.extend(prog[i] for i in sorted(post_at) if post_at[i] == j)
