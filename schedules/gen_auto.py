@@ -19,6 +19,7 @@
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from functools import lru_cache
@@ -143,8 +144,17 @@ def auto_grid(v: int) -> list[Knobs]:
 
 def search_zb_auto(pp: int, m: int, v: int = 1, costs=None, memory_limit: float | None = None,
                    p2p_latency: float = 0.0, stage_bytes: Sequence[float] | None = None,
-                   i_free_fraction: float = 0.5, effort: int = 0) -> tuple[Schedule, list[Candidate]]:
+                   i_free_fraction: float = 0.5, effort: int = 0,
+                   planner: bool = False) -> tuple[Schedule, list[Candidate]]:
     """zb-auto's search: returns (best schedule, every candidate tried, best first).
+
+    ``planner``: the same best makespan for less work, as the planner prices thousands of
+    layouts: a greedy run is abandoned once it cannot finish before the fastest fitting order
+    found so far (the fixed schedules are built first for that), and the search stops at the
+    first order that fits and reaches :func:`makespan_bound` (none is faster). The best is as
+    fast as the whole search's, to rounding (where orders tie it may be another of them); the
+    candidate list leaves out the abandoned and unsearched orders. ``autopar schedule`` shows
+    every candidate.
 
     v = 1: one stage per rank. v = 2: two stages per rank, in a V or interleaved (stage s on
     rank s % pp), whichever simulates faster; ``stage_to_rank`` of the result says which.
@@ -182,23 +192,10 @@ def search_zb_auto(pp: int, m: int, v: int = 1, costs=None, memory_limit: float 
             t = simulate(sched, c, p2p_latency).makespan
         return Candidate(label, t, peak, fits, sched)
 
-    cands: list[Candidate] = []
-    for lay in layouts:
-        shape = "" if v == 1 else ("V, " if lay[-1] == 0 else "interleaved, ")
-        lay_act = activation_units(lay, stage_bytes)
-        for knobs in auto_grid(v):
-            res = greedy_order(lay, m, c, delays, lay_act, limit, knobs, i_free_fraction)
-            if res is not None:
-                label = f"greedy({shape}prefer={knobs.prefer}, w={knobs.w_policy}" + \
-                    (f", warm-up slope={knobs.inflight_slope})" if v == 1 else ")")
-                cands.append(judge(label, make_schedule("zb-auto", pp, lay, m, res.order), res.makespan))
-        for i in range(effort):
-            knobs = Knobs(prefer=PREFER_ORDER[i % len(PREFER_ORDER)], w_policy="fit")
-            res = greedy_order(lay, m, c, delays, lay_act, limit, knobs, i_free_fraction, rng=random.Random(i))
-            if res is not None:
-                cands.append(judge(f"restart({shape}seed {i})", make_schedule("zb-auto", pp, lay, m, res.order),
-                                   res.makespan))
-    # The fixed schedules that fit the same limit.
+    # The fixed schedules that fit the same limit (listed after the greedy orders: on a tie the
+    # greedy order wins), built first: in planner mode the fastest of them is the cutoff past
+    # which a greedy run is abandoned.
+    fixed: list[Candidate] = []
     if v == 1:
         warm = [max(0, min(pp - 1 - r, int(limit[r] / act[r] + EPS) - 1)) for r in range(pp)]
         # 1F1B needs warm-ups that never grow down the pipeline (rank r+1 cannot wait for more
@@ -206,18 +203,53 @@ def search_zb_auto(pp: int, m: int, v: int = 1, costs=None, memory_limit: float 
         for r in range(1, pp):
             warm[r] = min(warm[r], warm[r - 1])
         one = [one_f_one_b_rank(pp, 1, m, r, warm[r], split=True, w_lag=0) for r in range(pp)]
-        cands.append(judge(f"1f1b(warm-up {warm})", make_schedule("zb-auto", pp, layouts[0], m, one)))
+        fixed.append(judge(f"1f1b(warm-up {warm})", make_schedule("zb-auto", pp, layouts[0], m, one)))
         if m >= pp:
-            cands.append(judge("zb-h1", _rename(zb_h1(pp, m, 1))))
-            cands.append(judge("zb-h2", _rename(zb_h2(pp, m))))
+            fixed.append(judge("zb-h1", _rename(zb_h1(pp, m, 1))))
+            fixed.append(judge("zb-h2", _rename(zb_h2(pp, m))))
     else:
         if m >= 2 * pp:
-            cands.append(judge("zbv", _rename(zbv(pp, m))))
-        cands.append(judge("v-half", _rename(v_half(pp, m))))
-        cands.append(judge("v-min", _rename(v_min(pp, m))))
+            fixed.append(judge("zbv", _rename(zbv(pp, m))))
+        fixed.append(judge("v-half", _rename(v_half(pp, m))))
+        fixed.append(judge("v-min", _rename(v_min(pp, m))))
         if m % pp == 0:
-            cands.append(judge("zb-h1(interleaved)", _rename(zb_h1(pp, m, 2))))
-            cands.append(judge("interleaved-1f1b", _rename(interleaved_1f1b(pp, m, 2))))
+            fixed.append(judge("zb-h1(interleaved)", _rename(zb_h1(pp, m, 2))))
+            fixed.append(judge("interleaved-1f1b", _rename(interleaved_1f1b(pp, m, 2))))
+
+    cands: list[Candidate] = []
+    bound = makespan_bound(layouts, m, c, delays) if planner else -1.0
+    cutoff = [min((x.makespan for x in fixed if x.fits), default=math.inf) if planner else math.inf]
+
+    def add(cand: Candidate) -> bool:
+        """Keep ``cand``; True when the search may stop (planner mode: it reaches the bound)."""
+        cands.append(cand)
+        if cand.fits:
+            cutoff[0] = min(cutoff[0], cand.makespan) if planner else math.inf
+        return cand.fits and cand.makespan <= bound * (1 + 1e-12)
+
+    def run(lay, lay_act, knobs, rng=None):
+        return greedy_order(lay, m, c, delays, lay_act, limit, knobs, i_free_fraction, rng=rng, cutoff=cutoff[0])
+
+    stop = False
+    for lay in layouts:
+        shape = "" if v == 1 else ("V, " if lay[-1] == 0 else "interleaved, ")
+        lay_act = activation_units(lay, stage_bytes)
+        for knobs in auto_grid(v):
+            res = run(lay, lay_act, knobs)
+            if res is not None:
+                label = f"greedy({shape}prefer={knobs.prefer}, w={knobs.w_policy}" + \
+                    (f", warm-up slope={knobs.inflight_slope})" if v == 1 else ")")
+                if stop := add(judge(label, make_schedule("zb-auto", pp, lay, m, res.order), res.makespan)):
+                    break
+        for i in range(effort if not stop else 0):
+            knobs = Knobs(prefer=PREFER_ORDER[i % len(PREFER_ORDER)], w_policy="fit")
+            res = run(lay, lay_act, knobs, random.Random(i))
+            if res is not None and (stop := add(judge(f"restart({shape}seed {i})",
+                                                      make_schedule("zb-auto", pp, lay, m, res.order), res.makespan))):
+                break
+        if stop:
+            break
+    cands += fixed
     cands.sort(key=lambda x: x.makespan)
     best = cands[0]
     if not best.fits:
@@ -233,6 +265,27 @@ def _rename(s: Schedule) -> Schedule:
     return make_schedule("zb-auto", s.pp, s.stage_to_rank, s.num_microbatches, _split(s), s.overlap)
 
 
+def makespan_bound(layouts: Sequence[Sequence[int]], m: int, costs: Costs, delays: Sequence[float]) -> float:
+    """A makespan no order of ``m`` microbatches on any of ``layouts`` goes below: some rank
+    must run all its F, I and W passes after the first microbatch first reaches it (the F of
+    every earlier stage, and the transfers between ranks on the way)."""
+    best = math.inf
+    for lay in layouts:
+        pp = max(lay) + 1
+        head, arrive = [math.inf] * pp, 0.0
+        for s, r in enumerate(lay):
+            head[r] = min(head[r], arrive)
+            arrive += costs.f[s] + (delays[s] if s + 1 < len(lay) and lay[s + 1] != r else 0.0)
+        work = [0.0] * pp
+        for s, r in enumerate(lay):
+            work[r] += m * (costs.f[s] + costs.i[s] + costs.w[s])
+        best = min(best, max(h + w for h, w in zip(head, work)))
+    return best
+
+
 def zb_auto(pp: int, m: int, v: int = 1, costs=None, memory_limit: float | None = None, p2p_latency: float = 0.0,
             stage_bytes: Sequence[float] | None = None, i_free_fraction: float = 0.5, effort: int = 0) -> Schedule:
-    return search_zb_auto(pp, m, v, costs, memory_limit, p2p_latency, stage_bytes, i_free_fraction, effort)[0]
+    """zb-auto's best schedule (:func:`search_zb_auto` in planner mode: as fast as the whole
+    search's, sooner)."""
+    return search_zb_auto(pp, m, v, costs, memory_limit, p2p_latency, stage_bytes, i_free_fraction, effort,
+                          planner=True)[0]

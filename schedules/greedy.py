@@ -27,6 +27,7 @@ import math
 import random
 from collections import deque
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from autopar.schedules.costs import Costs
@@ -74,10 +75,24 @@ class GreedyResult:
     makespan: float  # equals simulate(order, same costs and delays).makespan: starts are as early as possible
 
 
+# Orders already built, keyed by everything but the memory limit: (stage_to_rank, m, costs,
+# delays, act, knobs, i_free_fraction) -> [(lowest, highest, result)], where the run compared
+# the limit of rank r only against amounts it admitted (<= lowest[r]) or refused (> highest[r]):
+# any limit between gives the same comparisons, hence the same order. The planner prices one
+# (pp, m, costs) under many limits (the ZeRO levels and data-parallel degrees of a layout
+# family differ in their states only). Keyed by content; bounded (the oldest key goes first).
+_BUILT: dict = {}
+_BUILT_MAX = 4096
+
+
 def greedy_order(stage_to_rank: Sequence[int], m: int, costs: Costs, delays: Sequence[float],
                  act: Sequence[float], limit: Sequence[float], knobs: Knobs,
-                 i_free_fraction: float = 0.5, rng: random.Random | None = None) -> GreedyResult | None:
-    """Per-rank action lists, or None when this knob setting cannot finish (it should always).
+                 i_free_fraction: float = 0.5, rng: random.Random | None = None,
+                 cutoff: float = INF) -> GreedyResult | None:
+    """Per-rank action lists, or None when this knob setting cannot finish (it should always),
+    or when it cannot finish by ``cutoff``: the run is abandoned as soon as some rank's clock
+    plus the work it still has to place passes it. Deterministic: a repeated request (any limit
+    that makes the same comparisons) is answered from ``_BUILT``.
 
     With ``rng`` the decisions are perturbed for randomized restarts: a random pass among those
     ready now (probability 0.2), and a W in a gap it does not fit (probability 0.3). The
@@ -86,6 +101,35 @@ def greedy_order(stage_to_rank: Sequence[int], m: int, costs: Costs, delays: Seq
     ``delays[b]``: transfer time across boundary b when its two stages sit on different ranks.
     ``act[s]``: memory an F of stage s keeps; ``limit[r]``: rank r's budget in the same unit.
     """
+    if rng is not None:
+        return _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fraction, rng, None, cutoff)
+    key = (tuple(stage_to_rank), m, costs, tuple(delays), tuple(act), knobs, i_free_fraction)
+    eps = 1e-12
+    for lowest, highest, res in _BUILT.get(key, ()):
+        if all(lo <= x + eps < hi for lo, x, hi in zip(lowest, limit, highest)):
+            return res if res is None or res.makespan <= cutoff * (1 + eps) else None
+    seen = ([-INF] * len(limit), [INF] * len(limit))
+    res = _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fraction, None, seen, cutoff)
+    if res is _ABANDONED:
+        return None
+    if key not in _BUILT and len(_BUILT) >= _BUILT_MAX:
+        del _BUILT[next(iter(_BUILT))]
+    _BUILT.setdefault(key, []).append((tuple(seen[0]), tuple(seen[1]), res))
+    return res
+
+
+_ABANDONED = GreedyResult([], INF)  # a run stopped at its cutoff (not memoized)
+
+
+@lru_cache(maxsize=1 << 16)
+def _action(stage: int, kind: str, microbatch: int) -> Action:
+    """One Action per (stage, kind, microbatch): the orders share them (Actions are immutable)."""
+    return Action(stage, kind, microbatch)
+
+
+def _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fraction, rng, seen, cutoff=INF):
+    """``greedy_order``'s run; ``seen`` (when given) collects per rank the largest amount
+    admitted under the limit and the smallest refused."""
     S = len(stage_to_rank)
     pp = max(stage_to_rank) + 1
     owner = tuple(stage_to_rank)
@@ -115,82 +159,90 @@ def greedy_order(stage_to_rank: Sequence[int], m: int, costs: Costs, delays: Seq
     out: list[list[Action]] = [[] for _ in range(pp)]
     left_fi = [2 * m * len(local[r]) for r in range(pp)]  # F and I still to place per rank
 
-    def f_state(r: int, s: int):
-        """(ready time or None, admissible, blocked_by_memory) of stage s's next F."""
-        k = nf[s]
-        if s == 0:
-            ready = 0.0
-        else:
-            e = end_f[s - 1][k]
-            if e is None:
-                return None, False, False
-            ready = e + hop[s - 1]
-        need = act[s] + (reserve[r] if s == entry[r] else 0.0)
-        if s == entry[r] and nf[s] - ni[s] >= cap[r]:
-            return ready, False, False
-        if mem[r] + need > limit[r] + eps:
-            return ready, False, True
-        return ready, True, False
-
-    def i_ready(s: int):
-        k = ni[s]
-        e = end_f[s][k]
-        if s < S - 1:
-            g = end_g[s + 1][k]
-            if g is None:
-                return None
-            e = max(e, g + hop[s])
-        return e
-
     # Priority among passes ready at once, as one integer per (kind, stage[, microbatch]); lower wins.
     prefer = knobs.prefer
-    base = {}
+    base_i, base_f = [0] * S, [0] * S
     for s_ in range(S):
         if prefer == "F":
-            base[(F, s_)], base[(I, s_)] = S - s_, 2 * S - s_
+            base_f[s_], base_i[s_] = S - s_, 2 * S - s_
         elif prefer == "deep":
-            base[(I, s_)], base[(F, s_)] = 2 * (S - s_), 2 * (S - s_) + 1
+            base_i[s_], base_f[s_] = 2 * (S - s_), 2 * (S - s_) + 1
         else:  # "I" and "old": backward first, deeper stage first
-            base[(I, s_)], base[(F, s_)] = S - s_, 2 * S - s_
-    old = prefer == "old"
-    stride = 2 * S + 2
+            base_i[s_], base_f[s_] = S - s_, 2 * S - s_
+    stride = 2 * S + 2 if prefer == "old" else 0
     w_policy = knobs.w_policy
     cost_w = costs.w
+    # per rank: (stage, is its entry stage, the stage before it or -1, the stage after it or -1,
+    # hop in, hop out, F's memory need, its I and F priorities)
+    plan = [[(s_, s_ == entry[r], s_ - 1, s_ + 1 if s_ < S - 1 else -1, hop[s_ - 1] if s_ else 0.0, hop[s_],
+              act[s_] + (reserve[r] if s_ == entry[r] else 0.0), base_i[s_], base_f[s_]) for s_ in local[r]]
+            for r in range(pp)]
 
     def decide(r: int):
-        """(start, kind, stage) of rank r's next action, or (INF, None, None) to wait."""
+        """(start, kind, stage) of rank r's next action, or (INF, None, None) to wait.
+
+        Among the passes whose inputs exist: the preferred one (lowest priority) of those ready
+        by the rank's clock; else a W (memory forces it, or ``w_policy`` lets it fill the wait);
+        else the earliest ready (on a tie the preferred one)."""
         t = free[r]
         q = wq[r]
         if q and (w_policy == "immediate" or left_fi[r] == 0):
             return t, W, q[0][0]
-        cands = []  # (ready, priority, kind, stage)
+        lim = t + eps
+        best = None  # (priority, kind, stage) ready by lim
+        first = None  # (ready, priority, kind, stage), the earliest
+        ready_now = [] if rng is not None else None
         mem_blocked = False
-        for s in local[r]:
+        lim_r = limit[r] + eps
+        for s, is_entry, before, after, hop_in, hop_out, need, prio_i, prio_f in plan[r]:
             k = ni[s]
-            if k < nf[s]:
-                e = i_ready(s)
+            if k < nf[s]:  # the next I: its F done, and the gradient from the stage after it
+                e = end_f[s][k]
+                if after >= 0:
+                    g = end_g[after][k]
+                    e = None if g is None else max(e, g + hop_out)
                 if e is not None:
-                    cands.append((e, base[(I, s)] + (k * stride if old else 0), I, s))
+                    prio = prio_i + k * stride
+                    if e <= lim and (best is None or prio < best[0]):
+                        best = (prio, I, s)
+                    if first is None or (e, prio) < (first[0], first[1]):
+                        first = (e, prio, I, s)
+                    if ready_now is not None and e <= lim:
+                        ready_now.append((I, s))
             k = nf[s]
-            if k < m:
-                e, ok, blocked = f_state(r, s)
-                if blocked:
+            if k < m:  # the next F: its input there, room in flight and in memory
+                if before < 0:
+                    e = 0.0
+                else:
+                    e = end_f[before][k]
+                    if e is None:
+                        continue
+                    e += hop_in
+                if is_entry and k - ni[s] >= cap[r]:
+                    continue
+                amount = mem[r] + need
+                if amount > lim_r:
+                    if seen is not None and amount < seen[1][r]:
+                        seen[1][r] = amount
                     mem_blocked = True
-                if ok:
-                    cands.append((e, base[(F, s)] + (k * stride if old else 0), F, s))
-        if cands:
-            lim = t + eps
-            best = None
-            for c in cands:
-                if c[0] <= lim and (best is None or c[1] < best[1]):
-                    best = c
-            if best is not None and rng is not None and rng.random() < 0.2:
-                best = rng.choice([c for c in cands if c[0] <= lim])
-            if best is not None:
-                return t, best[2], best[3]
+                    continue
+                if seen is not None and amount > seen[0][r]:
+                    seen[0][r] = amount
+                prio = prio_f + k * stride
+                if e <= lim and (best is None or prio < best[0]):
+                    best = (prio, F, s)
+                if first is None or (e, prio) < (first[0], first[1]):
+                    first = (e, prio, F, s)
+                if ready_now is not None and e <= lim:
+                    ready_now.append((F, s))
+        if best is not None:
+            if rng is not None and rng.random() < 0.2:
+                kind, s = rng.choice(ready_now)
+                return t, kind, s
+            return t, best[1], best[2]
         if mem_blocked and q:
             return t, W, q[0][0]
-        nxt = min(cands)[0] if cands else INF  # earliest ready; on a tie the preferred one
+        nxt = first[0] if first is not None else INF
         if q:
             w_end = t + cost_w[q[0][0]]
             if w_policy == "eager" or (w_policy == "fit" and (nxt == INF or w_end <= nxt + eps)) or \
@@ -199,50 +251,59 @@ def greedy_order(stage_to_rank: Sequence[int], m: int, costs: Costs, delays: Seq
                 return t, W, q[0][0]
         if nxt == INF:
             return INF, None, None
-        c = min(cands)
-        return c[0], c[2], c[3]
+        return first[0], first[2], first[3]
 
     nxt_event = [decide(r) for r in range(pp)]
     version = [0] * pp
     heap = [(nxt_event[r][0], r, 0) for r in range(pp)]  # stale entries are skipped by version
     heapq.heapify(heap)
     remaining = sum(3 * m * len(st) for st in local)
+    todo = [m * sum(costs.f[s] + costs.i[s] + costs.w[s] for s in st) for st in local]  # work left per rank
+    give_up = cutoff * (1 + 1e-12)
+    cost_f, cost_i = costs.f, costs.i
+    pop, push = heapq.heappop, heapq.heappush
     while remaining:
         while heap[0][2] != version[heap[0][1]]:
-            heapq.heappop(heap)
-        _, r, _ = heapq.heappop(heap)
+            pop(heap)
+        _, r, _ = pop(heap)
         start, kind, s = nxt_event[r]
         if start == INF:
             return None
-        touched = {r}
+        other = -1  # the rank whose input this action makes, when another
         if kind == F:
             k = nf[s]
-            end = start + costs.f[s]
-            end_f[s][k] = end
+            cost = cost_f[s]
+            end_f[s][k] = start + cost
             nf[s] += 1
             mem[r] += act[s]
             left_fi[r] -= 1
             if s + 1 < S:
-                touched.add(owner[s + 1])
+                other = owner[s + 1]
         elif kind == I:
             k = ni[s]
-            end = start + costs.i[s]
-            end_g[s][k] = end
+            cost = cost_i[s]
+            end_g[s][k] = start + cost
             ni[s] += 1
             mem[r] -= act[s] * i_free_fraction
             wq[r].append((s, k))
             left_fi[r] -= 1
             if s > 0:
-                touched.add(owner[s - 1])
+                other = owner[s - 1]
         else:
             s, k = wq[r].popleft()
-            end = start + costs.w[s]
+            cost = cost_w[s]
             mem[r] -= act[s] * (1.0 - i_free_fraction)
-        out[r].append(Action(s, kind, k))
+        end = start + cost
+        out[r].append(_action(s, kind, k))
         free[r] = end
         remaining -= 1
-        for q in touched:
-            nxt_event[q] = decide(q)
+        todo[r] -= cost
+        if end + todo[r] > give_up:
+            return _ABANDONED if rng is None else None
+        # decide again for the rank that ran and the one it fed (lower rank first: a randomized
+        # restart draws in that order)
+        for q in ((r,) if other < 0 or other == r else (r, other) if r < other else (other, r)):
+            nxt_event[q] = ev = decide(q)
             version[q] += 1
-            heapq.heappush(heap, (nxt_event[q][0], q, version[q]))
+            push(heap, (ev[0], q, version[q]))
     return GreedyResult(out, max(free))

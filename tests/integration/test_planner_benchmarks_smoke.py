@@ -379,10 +379,12 @@ def test_large_model_benchmark_runs(tmp_path):
 def test_planner_speed_benchmark_runs(capsys):
     """P2's script on one small request: the ``autopar plan`` command twice, cold then from the
     profile cache the first run wrote, the same plan both times; each run's wall time holds its
-    capture, traces and search (to the printed rounding), and the warm run captured nothing."""
+    capture, traces and search (to the printed rounding), and the warm run captured nothing. Its
+    exit status follows the target: given one no process meets (a warm run under 1 ms), 1."""
     mod = importlib.import_module("benchmarks.planner_speed")
-    assert mod.main(["--requests", "llama3-8b:8:16:256"]) == 0
+    assert mod.main(["--requests", "llama3-8b:8:16:256", "--warm-s", "0.001"]) == 1
     out = capsys.readouterr().out
+    assert "warm < 0.001 s: MISS" in out and "planner_speed: FAIL (a target missed)" in out, out
     rows = re.findall(rf"^llama3-8b 8 GPUs 16x256 h100\s+(cold|warm)\s+({NUM}|cached)\s+({NUM})\s+({NUM})\s+"
                       rf"({NUM})\s+({NUM})\s+tp\d+ pp\d", out, re.M)
     assert [r[0] for r in rows] == ["cold", "warm"], out

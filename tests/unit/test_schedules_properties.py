@@ -16,9 +16,14 @@ from autopar.schedules import (
     names,
     peak_memory,
     prefetched,
+    search_zb_auto,
     simulate,
     validate,
 )
+from autopar.schedules.costs import as_costs
+from autopar.schedules.gen_auto import makespan_bound
+from autopar.schedules.greedy import _ABANDONED, Knobs, _greedy_order, greedy_order
+from autopar.schedules.ir import linear_layout, v_layout
 from autopar.schedules.registry import GENERATORS
 
 EPS = 1e-9
@@ -132,6 +137,64 @@ def test_bubble_closed_forms(name, p, k, extra, v, c):
               "interleaved-1f1b": (p - 1) * 3 * c / v, "zb-h1": (p - 1) * c / v}[name]
     assert r.makespan == pytest.approx(work + bubble, rel=1e-9)
     assert r.bubble_fraction == pytest.approx(bubble / (work + bubble), rel=1e-6, abs=1e-12)
+
+
+# -- zb-auto in planner mode: greedy runs abandoned past the best so far, the search stopped at
+# the first order that reaches the makespan bound; the whole search (every candidate simulated)
+# and the hand-derived bound are the references
+
+@settings(max_examples=12, deadline=None)
+@given(p=st.integers(2, 8), v=st.integers(1, 2), data=st.data(),
+       costs=st.tuples(POSITIVE, POSITIVE, POSITIVE), latency=st.sampled_from([0.0, 0.0, 0.2]),
+       slack=st.sampled_from([1.0, 1.5, 3.0]))
+def test_zb_auto_planner_mode_keeps_the_whole_search_result(p, v, data, costs, latency, slack):
+    m = data.draw(st.integers(1 if v == 1 else 2, 3 * p))
+    limit = slack * p
+    whole, cands = search_zb_auto(p, m, v, costs, limit, latency)
+    stopped, tried = search_zb_auto(p, m, v, costs, limit, latency, planner=True)
+    # as fast as the whole search's best (where orders tie to rounding, possibly another of them)
+    assert tried[0].makespan == pytest.approx(cands[0].makespan, rel=1e-9) and tried[0].schedule is stopped
+    assert max(peak_memory(stopped)) <= limit + EPS
+    assert len(tried) <= len(cands)
+    # the bound is a bound: no candidate of the whole search (simulated on its own) goes below it,
+    # by hand for one stage per rank: the last rank waits (p-1) F for its first input
+    lays = [linear_layout(p, 1)] if v == 1 else [v_layout(p), linear_layout(p, 2)]
+    c = as_costs(costs, lays[0])
+    delays = [latency] * (p * v - 1)
+    bound = makespan_bound(lays, m, c, delays)
+    for cand in cands:
+        if cand.fits:
+            assert simulate(cand.schedule, costs, p2p_latency=latency).makespan >= bound * (1 - 1e-9)
+    if v == 1:
+        f, i, w = costs
+        assert bound == pytest.approx(m * (f + i + w) + (p - 1) * (f + latency))
+
+
+@settings(max_examples=15, deadline=None)
+@given(p=st.integers(2, 6), v=st.integers(1, 2), data=st.data(), costs=st.tuples(POSITIVE, POSITIVE, POSITIVE),
+       limits=st.lists(st.floats(1.0, 3.0), min_size=3, max_size=3))
+def test_greedy_order_memo_answers_as_a_fresh_run(p, v, data, costs, limits):
+    """greedy_order answers a repeated request under another limit from its memo only where the
+    run would make the same comparisons: every answer equals a fresh, unmemoized run."""
+    m = data.draw(st.integers(2, 3 * p))
+    lay = linear_layout(p, 1) if v == 1 else v_layout(p)
+    c = as_costs(costs, lay)
+    act = [1.0 + 0.25 * (s % 3) for s in range(len(lay))]
+    knobs = Knobs(prefer=data.draw(st.sampled_from(["I", "F"])), w_policy="fit")
+    floor = max(sum(act[s] for s in range(len(lay)) if lay[s] == r) for r in range(p))
+    for k in limits:
+        limit = [k * p * floor / 2 + 0.25 * r for r in range(p)]
+        got = greedy_order(lay, m, c, [0.1] * (len(lay) - 1), act, limit, knobs)
+        fresh = _greedy_order(lay, m, c, [0.1] * (len(lay) - 1), act, limit, knobs, 0.5, None, None)
+        assert (got is None) == (fresh is None)
+        if got is not None:
+            assert got.order == fresh.order and got.makespan == fresh.makespan
+            # a cutoff below the run's makespan abandons it (memoized or not); at it, the run stands
+            for run in (greedy_order, lambda *a, **k: _greedy_order(*a, 0.5, None, None, k["cutoff"])):
+                assert run(lay, m, c, [0.1] * (len(lay) - 1), act, limit, knobs,
+                           cutoff=fresh.makespan * 0.999) in (None, _ABANDONED)
+                kept = run(lay, m, c, [0.1] * (len(lay) - 1), act, limit, knobs, cutoff=fresh.makespan)
+                assert kept.order == fresh.order
 
 
 # -- S2: zb-auto is never slower than the fixed schedule at the same memory -------------------
