@@ -154,8 +154,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         world = torch.distributed.get_world_size() if distributed() else 1
     text = None
     if rank == 0:
-        from autopar.passes.expert_parallel import expert_parameters, moe_blocks, refused_moe_blocks
-        from autopar.planner import plan_model
+        from autopar.planner import eager_model_options, plan_model
         from autopar.planner.devices import current_profile
         from autopar.planner.report import text as report_text
         from autopar.planner.search import to_plan
@@ -165,25 +164,26 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
         if device.name == "cpu":  # the ranks' processes share this host's memory
             limit /= int(os.environ.get("LOCAL_WORLD_SIZE", world))
         t0 = time.perf_counter()
-        # CP is searched where the context-parallel pass can rewrite the model (the planner asks
-        # it per degree); EP for every model with MoE blocks the EP rewrite recognizes
-        # (autopar.nn.MoE, Hugging Face MoE blocks); TP not yet (its all-reduces are priced from
-        # the device profile's links, not measured on this machine's gloo): Plan(tp=N) by hand
-        blocks = [] if refused_moe_blocks(model) else moe_blocks(model)
+        # the space `autopar plan --model` searches (planner.eager_model_options): CP where the
+        # context-parallel pass can rewrite the model (the planner asks it per degree), EP where
+        # the EP rewrite recognizes the model's MoE blocks, TP where the tensor-parallel pass
+        # shards something, within a node of the device profile; the log names the axes
+        opts = eager_model_options(model)
+        for why in opts["ep_refused"]:
+            log.info("autopar planner: ep not searched: %s", why)
         res, _info = plan_model(model, inputs, target, loss_fn, gpus=world, global_batch=batch, device=device,
-                                memory_limit=limit, allow_cp=True, allow_ep=bool(blocks), allow_tp=False,
-                                precision=precision,
-                                input_names=input_names,
-                                n_experts=min((n for _f, n in blocks), default=0),
-                                expert_prefixes=tuple(expert_parameters(model)) if blocks else (),
-                                zero_levels=(0, 1, 2, 3), name=type(model).__name__, optimizer=optimizer,
+                                memory_limit=limit, allow_cp=True, allow_ep=opts["allow_ep"], allow_tp=True,
+                                precision=precision, input_names=input_names, n_experts=opts["n_experts"],
+                                expert_prefixes=opts["expert_prefixes"], zero_levels=(0, 1, 2, 3),
+                                name=type(model).__name__, optimizer=optimizer,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
         priced: dict[tuple[int, int], list[str]] = {}
         for c in res.candidates:
-            if c.estimate is not None and (c.layout.cp > 1 or c.layout.ep > 1):
-                priced.setdefault((c.layout.cp, c.layout.ep), []).append(c.layout.label())
-        for (cp, ep), labels in sorted(priced.items()):
-            log.info("autopar planner: priced %d layouts with cp=%d ep=%d, e.g. %s", len(labels), cp, ep, labels[0])
+            if c.estimate is not None and (c.layout.cp > 1 or c.layout.ep > 1 or c.layout.tp > 1):
+                priced.setdefault((c.layout.cp, c.layout.ep, c.layout.tp), []).append(c.layout.label())
+        for (cp, ep, tp), labels in sorted(priced.items()):
+            log.info("autopar planner: priced %d layouts with cp=%d ep=%d tp=%d, e.g. %s", len(labels), cp, ep, tp,
+                     labels[0])
         if res.chosen is None:
             text = "error:" + report_text(res, _info)
         else:

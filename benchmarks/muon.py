@@ -17,8 +17,8 @@ Measured per rank, over the last ``steps - 1`` steps (step 1 creates the optimiz
              counted at the input of each call in runtime/comms.py)
   padding    elements of the flat sets that hold no parameter
 
-Target (U5): Muon's bytes per step <= 1.25x AdamW's. Prints PASS/FAIL; exit code 0 when the
-runs completed.
+Target (U5): Muon's bytes per step <= 1.25x AdamW's. Prints PASS/FAIL; exit status 1 when the
+target is missed.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
     time_ratio = max(res["Muon"]["step_ms"] / res["AdamW"]["step_ms"] for res in per_rank)
     print(f"\nU5: Muon / AdamW bytes per step {byte_ratio:.3f}x (target <= {TARGET}x), optimizer step time "
           f"{time_ratio:.2f}x: {'PASS' if byte_ratio <= TARGET else 'FAIL'}")
-    return 0
+    return 0 if byte_ratio <= TARGET else 1
 
 
 if __name__ == "__main__":

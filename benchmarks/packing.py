@@ -15,8 +15,8 @@ document) and its own loss from ``labels``; plan dp=2, 2 microbatches, the globa
 
 Measured per rank: the median step time over steps 2..``steps`` (step 1 warms up), and the real
 tokens (valid labels) those steps hold. Real tokens/s = real tokens per step / step time.
-Target (V3): packed / padded real tokens/s > 1.5. Prints PASS/FAIL; exit code 0 when the runs
-completed.
+Target (V3): packed / padded real tokens/s > 1.5. Prints PASS/FAIL; exit status 1 when the
+target is missed.
 """
 from __future__ import annotations
 
@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     ratio = min(rates["packed", r] / rates["padded", r] for r in range(len(per_rank)))
     print(f"\nV3: packed / padded real tokens per second {ratio:.2f}x (target > {TARGET}x): "
           f"{'PASS' if ratio > TARGET else 'FAIL'}")
-    return 0
+    return 0 if ratio > TARGET else 1
 
 
 if __name__ == "__main__":

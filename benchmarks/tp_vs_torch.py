@@ -18,8 +18,9 @@ step timed on rank 0 between two barriers. Printed: the median step times and th
 per-round ratios autopar/torch (target <= 1.00), the first-step losses (must agree within 1e-4
 relative), and the parameter bytes one rank holds against the whole model's, for both (target
 <= 0.55 for autopar: the embedding and LM head stay replicated, so the ratio depends on the
-model; the default's layers hold ~95% of its parameters). Exit 0 when the run completed and the
-losses agree (the targets are reported, not enforced: timing on a shared box is noisy).
+model; the default's layers hold ~95% of its parameters). Exit status 1 when the losses disagree
+or either target is missed (timing on a shared box is noisy: rerun before reading a miss as a
+regression).
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
           f"{'MET' if ratio <= TARGET_RATIO else 'NOT MET'}); ratio of medians {ta / tt:.3f}")
     print(f"BYTES autopar rank/whole = {share['autopar']:.3f} (target <= {TARGET_BYTES:.2f}: "
           f"{'MET' if share['autopar'] <= TARGET_BYTES else 'NOT MET'})", flush=True)
-    return 0 if rel <= LOSS_RTOL else 1
+    return 0 if rel <= LOSS_RTOL and ratio <= TARGET_RATIO and share["autopar"] <= TARGET_BYTES else 1
 
 
 if __name__ == "__main__":

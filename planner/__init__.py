@@ -86,6 +86,22 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     return res, info
 
 
+def eager_model_options(model) -> dict:
+    """What the planner searches for a user's eager model, read off the model: expert
+    parallelism where the EP rewrite recognizes its MoE blocks (``autopar.nn.MoE``, Hugging
+    Face MoE blocks: passes/expert_parallel.py), with their expert count and parameter prefixes;
+    off (and why, in ``ep_refused``) where a block looks like an MoE the rewrite refuses.
+    ``parallelize`` without a plan and ``autopar plan --model`` both plan with it, so both
+    search the same layouts for the same request."""
+    from autopar.passes.expert_parallel import expert_parameters, moe_blocks, refused_moe_blocks
+
+    refused = refused_moe_blocks(model)
+    blocks = [] if refused else moe_blocks(model)
+    return {"allow_ep": bool(blocks), "n_experts": min((n for _f, n in blocks), default=0),
+            "expert_prefixes": tuple(expert_parameters(model)) if blocks else (),
+            "ep_refused": tuple(f"{fqn}: {why}" for fqn, why in refused)}
+
+
 def _profile(model, inputs, target, loss_fn, options: dict, cps, use_cache: bool, progress):
     """(the model's profile, {cp: context-parallel verdict} for ``cps`` and cp=1, whether it
     came from the disk cache): ``profile_model``, or the cached profile when ``use_cache`` and

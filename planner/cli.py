@@ -185,6 +185,7 @@ def _run(args, say) -> int:
 
     pin = parse_pin(args.pin) if args.pin else None
 
+    allow_ep = not args.no_ep
     seq = args.seq or 4096  # presets and --hf-config are built at this length
     if seq < 1:
         raise ValueError(f"--seq must be >= 1, got {seq}")
@@ -205,11 +206,18 @@ def _run(args, say) -> int:
         if args.seq is not None and seq is not None and args.seq != seq:
             raise ValueError(f"--seq {args.seq} differs from the example inputs' sequence length {seq}; "
                              "build the example inputs at the length to plan for")
-        kwargs = dict(name=args.model, seq_len=seq)
+        from . import eager_model_options
+
+        opts = eager_model_options(model)
+        for why in opts["ep_refused"]:
+            say(f"ep not searched: {why}")
+        kwargs = dict(name=args.model, seq_len=seq, n_experts=opts["n_experts"],
+                      expert_prefixes=opts["expert_prefixes"])
+        allow_ep = allow_ep and opts["allow_ep"]
     t0 = time.perf_counter()
     res, info = plan_model(model, inputs, target, loss_fn, gpus=args.gpus, global_batch=args.global_batch,
                            device=device, memory_limit=limit, exhaustive=args.all, schedules=schedules,
-                           allow_cp=not args.no_cp, allow_ep=not args.no_ep, allow_tp=not args.no_tp,
+                           allow_cp=not args.no_cp, allow_ep=allow_ep, allow_tp=not args.no_tp,
                            zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
                            offloading=not args.no_offload, optimizer=args.optimizer,

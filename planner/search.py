@@ -394,6 +394,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     max_tp = min(TP_DEGREES[-1], getattr(device, "gpus_per_node", TP_DEGREES[-1]))
     for lay in layouts(profile, req, reject, family=family_ok, pruned=pruned, max_tp=max_tp):
         cands.append(screen(lay.tp)(lay))
+    say("searched " + searched_axes([c.layout for c in cands + rejected]))
     screened = [c for c in cands if c.status != "rejected"]
     tiers = [sum(1 for c in screened if c.screen_tier == t) for t in range(3)]
     n_mem = len(cands) - len(screened) - n_family[0]
@@ -473,6 +474,15 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     _save_inflight()
     return PlanResult(chosen=chosen, candidates=cands + rejected, evaluator=ev, request=req,
                       search_s=time.perf_counter() - t0, solver_s=solver_s, ilp_runs=ilp_runs)
+
+
+def searched_axes(lays) -> str:
+    """The degrees and choices among ``lays``, one phrase per axis (the search's log line)."""
+    def vals(field):
+        return ",".join(str(x) for x in sorted({getattr(lay, field) for lay in lays}))
+    names = sorted({lay.schedule for lay in lays})
+    return (f"tp {vals('tp')}; pp {vals('pp')}; dp {vals('dp')}; cp {vals('cp')}; ep {vals('ep')}; "
+            f"ZeRO {vals('zero')}; {len(names)} schedules ({', '.join(names)})")
 
 
 # schedules whose order is searched per (pp, m) rather than generated in closed form: building

@@ -130,3 +130,10 @@ def seq2seq_batch(case: ModelCase) -> dict:
     mask[::2, :3] = 0
     decoder_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
     return {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder_ids, "labels": labels}
+
+
+def mixtral_for_plan():
+    """``autopar plan --model tests.hf_models:mixtral_for_plan``: a tiny HF Mixtral, batch 8 x 16
+    tokens (the request tests/unit/test_hf_planner.py also gives ``parallelize``)."""
+    case = make_hf("mixtral", batch=8, seq=16)
+    return case.model, case.inputs, case.target, case.loss_fn

@@ -36,7 +36,7 @@ def test_auto_plan_on_two_ranks(tmp_path, monkeypatch):
     res = run_shared(_train_auto, 2, 2, deadline_s=300)
     assert res[0]["plan"] == res[1]["plan"], "every rank must run the same plan"
     plan = json.loads(res[0]["plan"])
-    assert plan["pp"] * plan["dp"] * plan["cp"] == 2
+    assert plan["pp"] * plan["dp"] * plan["cp"] * plan["tp"] == 2
     opt = functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-4)
     case = ALL_CASES["gpt"](seed=5)
     ref_losses, ref_state = eager_reference(copy.deepcopy(case.model), case.inputs, case.target, case.loss_fn, opt,

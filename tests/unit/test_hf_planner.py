@@ -1,7 +1,8 @@
 """H5: parallelize without a plan considers cp for an HF Llama and ep for an HF Mixtral: the
 planner step of autopar/build.py (choose_plan, for a world of 4) prices layouts with cp > 1
-(the context-parallel pass accepts Llama's masks) and with ep > 1 (Mixtral's experts are
-recognized), and names them in its log."""
+(the context-parallel pass accepts Llama's masks) and names them in its log; for Mixtral it
+enumerates ep > 1 (its experts are recognized) and tp > 1, the same layouts ``autopar plan
+--model`` enumerates (F4)."""
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from autopar.build import choose_plan
 from tests.hf_models import make_hf
 
 
-@pytest.mark.parametrize("name, axis", [("llama", "cp"), ("mixtral", "ep")])
+@pytest.mark.parametrize("name, axis", [("llama", "cp")])  # ep: test_parallelize_and_autopar_plan_...
 def test_planner_considers_the_axis(name, axis, caplog):
     case = make_hf(name, batch=8, seq=16)
     with caplog.at_level(logging.INFO, logger="autopar"):
@@ -20,6 +21,39 @@ def test_planner_considers_the_axis(name, axis, caplog):
     lines = [r.getMessage() for r in caplog.records if wanted in r.getMessage()]
     assert lines, [r.getMessage() for r in caplog.records][-10:]
     assert plan.world_size == 4
+
+
+def test_parallelize_and_autopar_plan_search_the_same_layouts(monkeypatch, caplog):
+    """F4: for the same request (a tiny HF Mixtral, 4 devices of this machine's profile, global
+    batch 8), ``parallelize`` without a plan (autopar/build.py's choose_plan) and ``autopar plan
+    --model`` enumerate the same layouts, tensor-parallel and expert-parallel ones included, and
+    the log names the axes searched. (The tiny model's experts are most
+    of its time, so tp is judged not worth searching at its efficiency threshold: lowered here,
+    for both.)"""
+    from autopar.planner import cli, profile, search
+
+    monkeypatch.setattr(profile, "TP_EFFICIENCY", 0.0)
+
+    enumerated = []
+    real = search.plan
+
+    def recording(profile, device, req, progress=None):
+        max_tp = min(search.TP_DEGREES[-1], device.gpus_per_node)
+        enumerated.append(set(search.layouts(profile, req, lambda lay, why: None, max_tp=max_tp)))
+        return real(profile, device, req, progress)
+
+    monkeypatch.setattr(search, "plan", recording)
+    case = make_hf("mixtral", batch=8, seq=16)
+    with caplog.at_level(logging.INFO, logger="autopar"):
+        choose_plan(model=case.model, inputs=case.inputs, target=case.target, loss_fn=case.loss_fn, batch=8, world=4)
+    assert cli.main(["--model", "tests.hf_models:mixtral_for_plan", "--gpus", "4", "--global-batch", "8",
+                     "--device", "cpu", "--json", "--quiet"]) == 0
+    ours, theirs = enumerated
+    assert ours == theirs
+    assert {(lay.tp, lay.ep) for lay in ours} >= {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)}, sorted(
+        {(lay.tp, lay.ep) for lay in ours})
+    said = [r.getMessage() for r in caplog.records if "autopar planner: searched tp 1,2,4;" in r.getMessage()]
+    assert said and "ep 1,2,4" in said[0], [r.getMessage() for r in caplog.records][-10:]
 
 
 def test_user_dropless_moe_priced_from_its_dispatch_ops():
