@@ -128,6 +128,11 @@ def dump_programs(programs, schedule, plan, directory: str) -> list[str]:
         if plan is not None:
             fh.write("plan:\n" + plan.table() + "\n\n")
         fh.write(stage_table(programs, schedule) + "\n")
+        if plan is not None and plan.compile:
+            from autopar.runtime.compiled import compile_report, inductor_output
+
+            fh.write(f"\nInductor: {compile_report(programs)}\n(programs not yet called compile at their first "
+                     f"call); its generated code and on-disk cache: {inductor_output()}\n")
     paths.append(path)
     return paths
 

@@ -34,6 +34,11 @@ class Plan:
     ``sequence_parallel``: with tp > 1, what tp ranks would hold alike between the sharded
     linears (residual stream, norms) is cut along the tokens instead, with reduce-scatters and
     all-gathers in place of the all-reduces (passes/sequence_parallel.py); False (the default): off.
+    ``compile``: every F, I, W and B program this process runs is compiled by Inductor
+    (runtime/compiled.py: C++/OpenMP on CPU, Triton on GPU) and called in place of the op-by-op
+    code; a program that cannot be compiled runs op by op, and the log says which and why.
+    Training then equals eager within the compiled tolerance of design.md (fp32 reductions may
+    be fused and reordered); False (the default): op by op.
     """
 
     pp: int = 1
@@ -52,12 +57,16 @@ class Plan:
     offload: float | tuple[float, ...] = 0.0
     tp: int = 1
     sequence_parallel: bool = False
+    compile: bool = False
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep", "tp"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"autopar.Plan: {name} must be a positive int, got {v!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"autopar.Plan: compile={self.compile!r} must be True (Inductor runs every stage "
+                             "program) or False (op by op)")
         if not isinstance(self.sequence_parallel, bool) or self.sequence_parallel and self.tp == 1:
             raise ValueError(f"autopar.Plan: sequence_parallel={self.sequence_parallel!r} needs tp > 1 (it cuts "
                              "along the tokens what the tp ranks would otherwise hold alike); set tp, or leave "
@@ -132,7 +141,8 @@ class Plan:
     def table(self) -> str:
         rows = [("pp", self.pp), ("dp", self.dp), ("cp", self.cp), ("ep", self.ep)] + (
             [("tp", self.tp)] if self.tp > 1 else []) + (
-            [("sequence parallel", True)] if self.sequence_parallel else []) + [("schedule", self.schedule),
+            [("sequence parallel", True)] if self.sequence_parallel else []) + (
+            [("compiled (Inductor)", True)] if self.compile else []) + [("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]

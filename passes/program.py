@@ -18,6 +18,11 @@ class Program:
     args: tuple[str, ...]
     results: tuple[str, ...]
     flops: int = 0
+    # "stage 0 F" when the runtime runs it compiled by Inductor (Plan.compile, runtime/compiled.py);
+    # then the seconds its first (compiling) call took, or why it runs op by op after all
+    compiled_as: str | None = None
+    compile_s: float | None = None
+    compile_failure: str | None = None
 
     @property
     def code(self) -> str:

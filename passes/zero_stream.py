@@ -36,6 +36,7 @@ class _Fetch(nn.Module):
         super().__init__()
         self.hooks, self.group, self.next = hooks, name, next_name
 
+    @torch.compiler.disable  # communication the runtime drives: a compiled program (Plan.compile) calls it as is
     def forward(self):
         return tuple(self.hooks.fetch(self.group, self.next))
 
@@ -45,6 +46,7 @@ class _Release(nn.Module):
         super().__init__()
         self.hooks, self.group = hooks, name
 
+    @torch.compiler.disable
     def forward(self):
         self.hooks.release(self.group)
 

@@ -8,6 +8,7 @@ here, so what ``pm.dump`` prints and the analyses read stays the graph as split.
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
@@ -15,7 +16,11 @@ from autopar.passes.exec_code import compile_for_execution
 from autopar.passes.moe_dispatch import IN_FLIGHT_OPS
 from autopar.passes.program import Program
 
+from .compiled import compiled_executable
+
 _CACHE = "_autopar_executable"  # attribute of the GraphModule: (its code when compiled, {accumulate: fn})
+_COMPILED_FNS = "_autopar_compiled_fns"  # attribute of the GraphModule: {(accumulate, dtypes): compiled fn}
+log = logging.getLogger("autopar")
 
 
 def run(program: Program, env: dict, state: dict, accumulate: tuple[str, ...] = (), into: list | None = None,
@@ -94,7 +99,14 @@ def executable(program: Program, accumulate: tuple[str, ...] = (), into_dtypes: 
     """The program compiled for running: ``fn(args: list)``, boxed; the results named in
     ``accumulate`` are added into extra trailing arguments of ``into_dtypes`` (default: each
     result's own dtype); ``pausing``: a generator function (``start``). Rebuilt if the
-    GraphModule was recompiled."""
+    GraphModule was recompiled. A program marked ``compiled_as`` runs Inductor's code
+    (runtime/compiled.py) unless it pauses."""
+    if program.compiled_as is not None and not pausing:
+        return _compiled(program, accumulate, into_dtypes)
+    return _op_by_op(program, accumulate, into_dtypes, pausing)
+
+
+def _op_by_op(program: Program, accumulate: tuple[str, ...], into_dtypes: tuple, pausing: bool):
     gm = program.gm
     code = gm.code
     entry = gm.__dict__.get(_CACHE)
@@ -109,5 +121,37 @@ def executable(program: Program, accumulate: tuple[str, ...] = (), into_dtypes: 
 
 
 def executed_code(program: Program) -> str:
-    """The source of what ``run`` executes (passes/exec_code.py), without accumulation."""
-    return executable(program).__func__.__autopar_source__
+    """The source of what ``run`` executes op by op (passes/exec_code.py), without accumulation."""
+    return _op_by_op(program, (), (), False).__func__.__autopar_source__
+
+
+def _compiled(program: Program, accumulate: tuple[str, ...], into_dtypes: tuple):
+    """Inductor's code for ``program`` (runtime/compiled.py), falling back to op by op for good
+    when its compilation fails (logged once, with the reason)."""
+    key = ("compiled", accumulate, into_dtypes)
+    cache = program.gm.__dict__.setdefault(_COMPILED_FNS, {})
+    fn = cache.get(key)
+    if fn is not None:
+        return fn
+    index = {k: i for i, k in enumerate(program.results)}
+    inner = compiled_executable(program, tuple(index[k] for k in accumulate))
+    eager = _op_by_op(program, accumulate, into_dtypes, False)
+
+    def fn(args: list):
+        current = cache[key]
+        if current is not fn:  # fell back since
+            return current(args)
+        try:
+            return inner(args)
+        except Exception as e:  # noqa: BLE001 - Inductor's failure on this graph: run it op by op, say why
+            if not args:  # the compiled call had started on the arguments it takes over: nothing to rerun
+                raise
+            why = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            log.warning("autopar: %s runs op by op: Inductor cannot compile it: %s: %s", program.compiled_as,
+                        type(e).__name__, why)
+            program.compile_failure = f"{type(e).__name__}: {why}"
+            cache[key] = eager
+            return eager(args)
+
+    cache[key] = fn
+    return fn
