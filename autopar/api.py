@@ -26,7 +26,8 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
                 example_target=None, weights=None, mixed_precision=None, seed: int = 0, init_fn=None,
                 param_groups=None, max_grad_norm: float | None = None, batch: str = "global", log_every: int = 0,
                 timeout: float | None = None, generated: bool = True, grad_reduce: str = "bucketed",
-                bucket_mb: float = 25.0, local_transfers: bool = False) -> "ParallelModel":
+                bucket_mb: float = 25.0, local_transfers: bool = False,
+                compile: bool | None = None) -> "ParallelModel":
     """Parallelize ``model`` for training (docs/parallelism.md, docs/large-models.md).
 
     ``example_inputs``: one global batch, as ``step`` will be given it: a tuple of tensors
@@ -56,12 +57,16 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     of the generated steps. ``grad_reduce``: "bucketed" (``bucket_mb`` MiB buckets overlapping
     the step) or "naive" (the oracle). ``local_transfers`` (local mode): values crossing
     pipeline ranks are copied on the communication stream, as P2P would move them.
+    ``compile``: True runs every stage program compiled by Inductor (``Plan.compile``, given
+    plan or the planner's), False op by op; None (the default): as the plan says.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"autopar.parallelize: model must be an nn.Module, got {type(model).__name__}")
     if grad_reduce not in ("bucketed", "naive"):
         raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
     example_inputs, names = batches.as_inputs(example_inputs)
+    if compile is not None and not isinstance(compile, bool):
+        raise ValueError(f"autopar.parallelize: compile={compile!r} must be True, False or None (the plan's)")
     if plan is not None:
         _build.check_world(plan)
     if batch not in ("global", "local"):
@@ -75,7 +80,7 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
         weights=weights, mixed_precision=mixed_precision, seed=seed, init_fn=init_fn, param_groups=param_groups,
         local_replicas=plan.dp if batch == "local" else 1, input_names=names,
         timeout=timedelta(seconds=seconds), generated=generated, grad_reduce=grad_reduce,
-        bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers))
+        bucket_bytes=int(bucket_mb * 2**20), local_transfers=local_transfers, compile=compile))
     if loss_fn is None or example_target is not None:
         pm.prepare(tuple(example_inputs), example_target)
     return pm

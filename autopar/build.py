@@ -78,16 +78,18 @@ class Built:
 def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *, optimizer=None,
           weights=None, mixed_precision=None, seed: int = 0, init_fn=None, param_groups=None, timeout=None,
           generated: bool = True, grad_reduce: str = "bucketed", bucket_bytes: int = 25 * 2**20,
-          local_transfers: bool = False, local_replicas: int = 1, input_names=None) -> Built:
+          local_transfers: bool = False, local_replicas: int = 1, input_names=None, compile=None) -> Built:
     """Every step of ``parallelize`` after its argument checks (see the module docstring).
     ``local_replicas``: the inputs are one dp replica's batch (``batch="local"``): the global
-    batch is that many times theirs."""
+    batch is that many times theirs. ``compile``: overrides ``plan.compile`` (None: keep it)."""
     batch = batch_size(inputs, target) * local_replicas
     prediction = None
     if plan is None:
         plan, prediction = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
                                        input_names=input_names, optimizer=planned_optimizer(optimizer),
                                     precision=mixed_precision)
+    if compile is not None and plan.compile != compile:
+        plan = replace(plan, compile=compile)
     whole = {f: (tuple(t.shape), t.dtype) for f, t in model.state_dict(keep_vars=True).items()}  # before rewrites
     plan, checkpoint = validate(plan=plan, batch=batch, model=model, weights=weights, whole=whole,
                                 precision=mixed_precision, init_fn=init_fn)

@@ -87,6 +87,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--batch", type=int, default=8, help="global batch (default 8)")
     p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--compile", action="store_true", help="run every stage program compiled by Inductor "
+                                                          "(Plan(compile=True); the first step compiles)")
 
 
 if __name__ == "__main__":

@@ -73,7 +73,8 @@ def _build(args, auto: bool = True):
     model, inputs, target, loss_fn = _model(args, meta=getattr(args, "meta", False))
     precision = autopar.MixedPrecision(param_dtype=torch.bfloat16) if getattr(args, "bf16", False) else None
     pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=_optimizer(args), plan=_plan(args, auto),
-                             example_target=target, seed=SEED, mixed_precision=precision)
+                             example_target=target, seed=SEED, mixed_precision=precision,
+                             compile=True if getattr(args, "compile", False) else None)
     return pm, inputs, target, loss_fn
 
 
