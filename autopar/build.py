@@ -387,15 +387,17 @@ def make_programs(*, stages: list, schedule, plan: Plan, mesh, trainable: set[st
     return programs
 
 
-def _compile_programs(plan: Plan, programs: list, stages) -> None:
-    """With ``plan.compile``, mark this process's F/I/W/B programs to run compiled by Inductor
-    (runtime/compiled.py; each compiles at its first call)."""
+def _compile_programs(plan: Plan, programs: list, stages) -> list:
+    """With ``plan.compile``, this process's F/I/W/B programs marked to run compiled by Inductor
+    (runtime/compiled.py; each compiles at its first call); else ``programs``."""
     if not plan.compile:
-        return
-    from autopar.runtime.compiled import mark_compiled
+        return programs
+    from autopar.runtime.compiled import compiled_programs
 
-    n = mark_compiled(programs, set(stages))
-    log.info("autopar: %d stage program(s) run compiled by Inductor (each compiles at its first call)", n)
+    stages = list(stages)
+    log.info("autopar: %d stage program(s) run compiled by Inductor (each compiles at its first call)",
+             4 * len(stages))
+    return compiled_programs(programs, stages)
 
 
 def recompute_buffers(*, model: nn.Module, seed: int, init_fn) -> dict:
@@ -498,7 +500,7 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
         from autopar.runtime.local import LocalPipeline
 
         transfers = CommStream(device) if local_transfers else None
-        _compile_programs(plan, programs, range(len(programs)))
+        programs = _compile_programs(plan, programs, range(len(programs)))
         executor = LocalPipeline(programs, schedule, state, dp.grads, transfers=transfers)
         attach_offload(executor=executor, plan=plan, device=device)
         return executor, programs
@@ -506,7 +508,7 @@ def make_executor(*, model: nn.Module, captured, stages: list, programs: list, s
 
     rewritten = dp.rewrite_programs({s: programs[s] for s in mine})
     programs = [rewritten.get(s, p) for s, p in enumerate(programs)]
-    _compile_programs(plan, programs, mine)
+    programs = _compile_programs(plan, programs, mine)
     executor = DistributedPipeline(programs, schedule, schedules.lower(schedule), state, mesh, timeout, device,
                                    data_parallel=dp, pipeline=pipeline, generated=generated, comm=comm)
     log.info("autopar: rank %d runs stages %s%s", mesh.rank, mine, f", ZeRO-{dp.zero}" if dp.zero else "")

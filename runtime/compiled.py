@@ -28,6 +28,7 @@ program and the program keeps it (``Program.compile_s``; ``compile_report`` sums
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -69,19 +70,17 @@ def compiled_executable(program, accumulate: tuple[int, ...]) -> object:
     return fn
 
 
-def mark_compiled(stage_programs, stages=None) -> int:
-    """Mark every F, I, W and B program of ``stage_programs`` (a list indexed by stage, or a
-    dict) to run compiled, labelled "stage N F"; ``stages``: only those. Returns how many."""
-    items = stage_programs.items() if isinstance(stage_programs, dict) else enumerate(stage_programs)
-    n = 0
-    for s, sp in items:
-        if not hasattr(sp, "f") or (stages is not None and s not in stages):
-            continue
-        for kind in ("f", "i", "w", "b"):
-            prog = getattr(sp, kind)
-            prog.compiled_as = f"stage {s} {kind.upper()}"
-            n += 1
-    return n
+def compiled_programs(stage_programs: list, stages) -> list:
+    """``stage_programs`` (indexed by stage) with the F, I, W and B programs of ``stages`` marked to
+    run compiled, labelled "stage N F": copies (the split programs may be shared, e.g. by a
+    memoized capture), the GraphModules shared."""
+    out = list(stage_programs)
+    for s in stages:
+        sp = out[s]
+        out[s] = sp.with_programs(**{k: dataclasses.replace(getattr(sp, k), compiled_as=f"stage {s} {k.upper()}",
+                                                            compile_s=None, compile_failure=None)
+                                     for k in ("f", "i", "w", "b")})
+    return out
 
 
 def compile_report(stage_programs) -> str:

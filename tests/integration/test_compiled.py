@@ -42,7 +42,7 @@ def test_compiled_zbv_pipeline_matches_eager(caplog):
     for got, want in zip(losses, ref_losses):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=RTOL, atol=ATOL)
     assert_close_state(pm.state_dict(), ref_state, rtol=RTOL, atol=ATOL)
-    ran = [getattr(sp, k) for sp in pm._built.programs for k in ("f", "i", "w")]
+    ran = [getattr(sp, k) for sp in pm.built.programs for k in ("f", "i", "w")]
     assert all(p.compiled_as is not None and p.compile_failure is None for p in ran)
     # every F, I and W zbv runs went through Inductor, once each (its first call)
     assert all(p.compile_s is not None for p in ran), [(p.compiled_as, p.compile_s) for p in ran]
@@ -67,7 +67,7 @@ def test_program_inductor_cannot_compile_runs_op_by_op(monkeypatch, caplog):
     for got, want in zip(losses, ref_losses):
         torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-5, atol=0)
     assert_close_state(pm.state_dict(), ref_state)
-    sp = pm._built.programs[0]
+    sp = pm.built.programs[0]
     assert sp.f.compile_failure == "RuntimeError: no kernel for this graph" and sp.f.compile_s is None
     warned = [r.getMessage() for r in caplog.records if "runs op by op" in r.getMessage()]
     assert "autopar: stage 0 F runs op by op: Inductor cannot compile it: RuntimeError: no kernel for this graph" \
