@@ -87,6 +87,7 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     if plan is None:
         plan, prediction = choose_plan(model=model, inputs=inputs, target=target, loss_fn=loss_fn, batch=batch,
                                        input_names=input_names, optimizer=planned_optimizer(optimizer),
+                                       compile=bool(compile),
                                     precision=mixed_precision)
     if compile is not None and plan.compile != compile:
         plan = replace(plan, compile=compile)
@@ -146,9 +147,11 @@ def planned_optimizer(factory) -> str:
 
 
 def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int, precision=None,
-                world: int | None = None, input_names=None, optimizer: str = "adamw") -> tuple[Plan, dict]:
+                world: int | None = None, input_names=None, optimizer: str = "adamw",
+                compile: bool = False) -> tuple[Plan, dict]:
     """Ask the planner for this world (``world``: its size, default the process group's);
-    ``optimizer``: what it prices ("adamw" or "muon", ``planned_optimizer``);
+    ``optimizer``: what it prices ("adamw" or "muon", ``planned_optimizer``); ``compile``: the
+    units timed compiled by Inductor and the plan run so (``Plan.compile``);
     rank 0 decides (device profiles are measured per process, so ranks could disagree) and
     broadcasts the plan."""
     rank = torch.distributed.get_rank() if distributed() else 0
@@ -177,7 +180,7 @@ def choose_plan(*, model: nn.Module, inputs: tuple, target, loss_fn, batch: int,
                                 memory_limit=limit, allow_cp=True, allow_ep=opts["allow_ep"], allow_tp=True,
                                 precision=precision, input_names=input_names, n_experts=opts["n_experts"],
                                 expert_prefixes=opts["expert_prefixes"], zero_levels=(0, 1, 2, 3),
-                                name=type(model).__name__, optimizer=optimizer,
+                                name=type(model).__name__, optimizer=optimizer, compile=compile,
                                 progress=lambda msg: log.info("autopar planner: %s", msg))
         priced: dict[tuple[int, int], list[str]] = {}
         for c in res.candidates:

@@ -19,7 +19,7 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None, ilp_nodes: int | None = None,
                precision=None, input_names=None, pin=None, moe=None, moe_imbalance: float | None = None,
                hf_config: str | None = None, loss_chunking: bool = True, offloading: bool = True,
-               optimizer: str = "adamw", profile_cache: bool = False):
+               optimizer: str = "adamw", profile_cache: bool = False, compile: bool = False):
     """Profile ``model`` and search plans for ``gpus`` devices; returns (PlanResult, profile info).
     ``precision``: an ``autopar.MixedPrecision``: the model is profiled in its ``param_dtype``
     and priced with bf16 compute copies, fp32 masters and fp32 gradients. ``pin``: a dict of
@@ -37,7 +37,9 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     "adamw" or "muon" (``autopar.Muon``: one momentum per hidden-matrix element instead of Adam's
     two, and Newton-Schulz on the matrices each rank steps). ``profile_cache``: read the model's
     profile from the disk cache, and write it there (planner/profile_cache.py; models on the
-    meta device only: a profile timed on this machine is never cached)."""
+    meta device only: a profile timed on this machine is never cached). ``compile``: the plans run
+    their programs compiled by Inductor (``Plan.compile``); on the measured cpu device the units
+    are timed compiled."""
     from .devices import current_profile
     from .search import Request, plan
 
@@ -56,7 +58,7 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
     device = device or current_profile()
     options = dict(name=name, layer_repeats=layer_repeats, expert_prefixes=tuple(expert_prefixes), n_heads=n_heads,
                    n_experts=n_experts, seq_len=seq_len, moe=moe, input_names=input_names,
-                   param_dtype=precision.param_dtype if precision is not None else None)
+                   param_dtype=precision.param_dtype if precision is not None else None, compile=bool(compile))
     cps = tuple(cp for cp in range(2, gpus + 1) if gpus % cp == 0) if allow_cp else ()
     prof, verdicts, cached = _profile(model, inputs, target, loss_fn, options, cps, profile_cache, progress)
     kw = {}

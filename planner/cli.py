@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw",
                    help="the optimizer to price: adamw, or muon (autopar.Muon: hidden matrices with one momentum "
                         "and Newton-Schulz, the rest AdamW)")
+    p.add_argument("--compile", action="store_true",
+                   help="plans run their stage programs compiled by Inductor (Plan(compile=True)); with --device "
+                        "cpu/current and --model the units are timed compiled (analytic devices price the same ops)")
     p.add_argument("--no-cache", action="store_true",
                    help="capture and trace the model even if its profile is in the disk cache, and do not write it "
                         "there ($AUTOPAR_CACHE_DIR/profiles, default ~/.cache/autopar)")
@@ -221,7 +224,7 @@ def _run(args, say) -> int:
                            zero_levels=tuple(range(args.max_zero + 1)), progress=say, pin=pin,
                            moe_imbalance=args.moe_imbalance, loss_chunking=not args.no_loss_chunk,
                            offloading=not args.no_offload, optimizer=args.optimizer,
-                           profile_cache=not args.no_cache, **kwargs)
+                           profile_cache=not args.no_cache, compile=args.compile, **kwargs)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     if args.lengths is not None:
         info["packed"] = read_lengths(args.lengths, res.evaluator.profile.seq_len or seq)

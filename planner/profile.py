@@ -450,6 +450,9 @@ class ModelProfile:
     # another form (or this is that profile)
     chunked: "ModelProfile | None" = field(default=None, repr=False)
     loss_chunk_tokens: int = 0
+    # plans from this profile run their programs compiled by Inductor (Plan.compile); a measured
+    # profile (the cpu device) timed its units compiled
+    compiled: bool = False
 
     def at_tp(self, tp: int) -> "ModelProfile":
         """The model as one rank of a tensor-parallel group of ``tp`` sees it: every unit's kind
@@ -650,8 +653,9 @@ class _UnitTimer:
     the model's MoE experts entries, served while the programs run (runtime/moe_exchange.py)."""
 
     def __init__(self, state: dict, data: dict, entries: dict | None = None, rounds: int = 15,
-                 budget_s: float = 1.0):
+                 budget_s: float = 1.0, compiled: bool = False):
         self.state, self.data, self.entries = state, data, dict(entries or {})
+        self.compiled = compiled  # time the programs compiled by Inductor (the warm-up round compiles them)
         self.rounds, self.budget_s = rounds, budget_s
         self.units: list[tuple] = []
         self.result: list[tuple] | None = None
@@ -777,6 +781,13 @@ class _UnitTimer:
         if second is not None:
             units1, state1, data1, ratio = second
             jobs += [(sp, stage, state1, data1) for sp, stage in units1]
+        if self.compiled:
+            from autopar.runtime.compiled import compiled_programs
+
+            log.info("autopar planner: timing %d unit(s) compiled by Inductor: each F, I and W compiles once, in "
+                     "the untimed first round (seconds to minutes, cold)", len(jobs))
+            jobs = [(compiled_programs([sp], [0], label=f"unit {j} ")[0], stage, state, data)
+                    for j, (sp, stage, state, data) in enumerate(jobs)]
         envs = [self._env(sp, stage, data) for sp, stage, _state, data in jobs]
         samples: list[list[tuple[float, float, float]]] = [[] for _ in jobs]
         t_end = time.perf_counter() + self.budget_s * (2 if second is not None else 1)
@@ -911,7 +922,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                   layer_repeats: dict[str, int] | None = None, expert_prefixes: Sequence[str] = ("expert",),
                   n_heads: int = 0, n_experts: int = 0, seq_len: int | None = None,
                   progress: Callable[[str], None] | None = None, param_dtype=None,
-                  input_names=None, moe: dict | None = None) -> ModelProfile:
+                  input_names=None, moe: dict | None = None, compile: bool = False) -> ModelProfile:
     """Capture ``model`` on one microbatch and cost every unit (see the module docstring).
 
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
@@ -923,7 +934,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     from F to I and W (``saved_bytes``; ``saved_after_i`` also holds the rows' output gradients
     that I leaves for W), so the estimate holds them per microbatch in flight. ``moe``: a
     preset's dropless MoE config (``PresetModel.moe``), checked against the capture
-    (``_check_moe``); None: no check.
+    (``_check_moe``); None: no check. ``compile``: plans from this profile run compiled
+    (``ModelProfile.compiled``); a model on real CPU tensors has its units timed compiled by
+    Inductor (the first round compiles each, untimed). Analytic device profiles price the same
+    ops either way (fusion is not modelled).
     """
     from autopar.passes import expert_parallel, keys
     from autopar.passes.capture import capture
@@ -962,7 +976,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         # real CPU tensors (not a fake/meta capture): units can be timed on this machine
         real = fmodel is model and all(t.device.type == "cpu" for t in model.parameters())
         state, data = {}, {}
-        timer = _UnitTimer(state, data, entries)
+        timer = _UnitTimer(state, data, entries, compiled=compile)
         if real:
             timer.second_batch(model, inputs, target, loss_fn, batch0, labels, input_names)
             state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
@@ -1051,7 +1065,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     profile = ModelProfile(name=name, units=units, batch0=batch0, seq_len=seq_len, n_heads=n_heads,
                            n_experts=n_experts, capture_s=capture_s, trace_s=trace_s, tied_params=tied_elems,
                            shared_params=shared, captured=captured,
-                           unit_timer=timer if real else None)
+                           unit_timer=timer if real else None, compiled=compile)
     if chunked_kind is not None:
         last = units[-1]
         profile.chunked = replace(profile, units=units[:-1] + [replace(last, kind=chunked_kind)],

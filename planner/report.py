@@ -80,6 +80,7 @@ def to_json(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool
                  "seq_len": res.evaluator.profile.seq_len, "precision": res.evaluator.precision.name,
                  "memory_limit_bytes": res.request.memory_limit, "feasible": c is not None}
     out.update(profile_info)
+    out["compile"] = res.evaluator.profile.compiled
     out["search_s"] = res.search_s
     out["solver"] = solver_summary(res)
     if c is not None:
@@ -266,6 +267,16 @@ def loss_lines(res: PlanResult, c: Candidate) -> list[str]:
             "faster without it)"]
 
 
+def compile_lines(res: PlanResult) -> list[str]:
+    """Whether the plan runs its programs compiled (``--compile``) and what its unit times are."""
+    prof = res.evaluator.profile
+    if not prof.compiled:
+        return []
+    how = ("units timed compiled on this machine" if prof.unit_timer is not None
+           else "units priced per op as uncompiled: the device model does not model Inductor's fusion")
+    return [f"  stage programs compiled by Inductor (Plan(compile=True)); {how}"]
+
+
 def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
     """The activation offload of the plan: the share (per stage when they differ), and per pp
     rank the most bytes parked on the host at once and the copy time compute does not hide
@@ -377,6 +388,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
           *loss_lines(res, c),
           *offload_lines(res, c),
+          *compile_lines(res),
           *optimizer_lines(res, c),
           *packed_lines(profile_info, c),
           f"  predicted step {est.step_time:.4g} s (pipeline {est.makespan_s:.4g} + dp {est.dp_exposed_s:.3g} + "

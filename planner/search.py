@@ -918,7 +918,8 @@ def to_plan(res_or_ev, cand: Candidate):
                 num_microbatches=lay.m,
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
-                moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload)
+                moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload,
+                compile=ev.profile.compiled)
 
 
 def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:

@@ -70,14 +70,14 @@ def compiled_executable(program, accumulate: tuple[int, ...]) -> object:
     return fn
 
 
-def compiled_programs(stage_programs: list, stages) -> list:
+def compiled_programs(stage_programs: list, stages, label: str = "stage {} ") -> list:
     """``stage_programs`` (indexed by stage) with the F, I, W and B programs of ``stages`` marked to
-    run compiled, labelled "stage N F": copies (the split programs may be shared, e.g. by a
-    memoized capture), the GraphModules shared."""
+    run compiled, labelled "stage N F" (``label`` formatted with the index, then the program):
+    copies (the split programs may be shared, e.g. by a memoized capture), the GraphModules shared."""
     out = list(stage_programs)
     for s in stages:
         sp = out[s]
-        out[s] = sp.with_programs(**{k: dataclasses.replace(getattr(sp, k), compiled_as=f"stage {s} {k.upper()}",
+        out[s] = sp.with_programs(**{k: dataclasses.replace(getattr(sp, k), compiled_as=label.format(s) + k.upper(),
                                                             compile_s=None, compile_failure=None)
                                      for k in ("f", "i", "w", "b")})
     return out

@@ -79,3 +79,22 @@ def test_compiled_programs_match_eager_across_processes(world):
             except AssertionError as e:
                 failures.append(f"{name} {plan} rank {r}: {e}")
     assert not failures, "\n\n".join(failures)
+
+
+def test_planned_compiled_plan_in_local_mode_matches_eager():
+    """parallelize(plan=None, compile=True) in one process: the cpu profile times its units
+    compiled, the plan it chooses runs compiled, and training equals eager within the compiled
+    tolerance."""
+    import autopar
+    from tests.reference import assert_close_state, eager_reference
+
+    model, inputs, target, loss_fn = _case("gpt")
+    pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=ADAMW, example_target=target, compile=True)
+    assert pm.plan.compile and pm.planner_summary
+    losses = [pm.step(inputs, target) for _ in range(2)]
+    model, inputs, target, loss_fn = _case("gpt")
+    ref_losses, ref_state = eager_reference(model, inputs, target, loss_fn, ADAMW, dp=pm.plan.dp,
+                                            num_microbatches=pm.plan.num_microbatches, steps=2)
+    for got, want in zip(losses, ref_losses):
+        torch.testing.assert_close(got, want.to(got.dtype), rtol=RTOL, atol=ATOL)
+    assert_close_state(pm.state_dict(), ref_state, rtol=RTOL, atol=ATOL)

@@ -12,7 +12,7 @@ import autopar
 def test_every_field_round_trips():
     plan = autopar.Plan(pp=2, dp=2, cp=1, ep=1, schedule="zb-h1", num_microbatches=4, stages_per_rank=1,
                         stage_cuts=(17,), recompute=(1,), zero=2, loss_chunk_tokens=512, offload=(0.5, 0.0), tp=2,
-                        sequence_parallel=True)
+                        sequence_parallel=True, compile=True)
     back = autopar.Plan.from_json(plan.to_json())
     assert back == plan
     assert {f.name for f in fields(autopar.Plan)} <= set(json.loads(plan.to_json()))
@@ -28,10 +28,12 @@ def test_the_planners_json_feeds_back():
     from tests.models import make_gpt
 
     case = make_gpt()
-    res, info = plan_model(case.model, case.inputs, case.target, case.loss_fn, gpus=4, global_batch=8,
-                           device=get_profile("h100"))
-    data = json.loads(json.dumps(to_json(res, info)))
-    assert autopar.Plan.from_json(data) == to_plan(res, res.chosen)
+    for compile_ in (False, True):  # autopar plan --compile: the plan runs its programs compiled
+        res, info = plan_model(case.model, case.inputs, case.target, case.loss_fn, gpus=4, global_batch=8,
+                               device=get_profile("h100"), compile=compile_)
+        data = json.loads(json.dumps(to_json(res, info)))
+        assert autopar.Plan.from_json(data) == to_plan(res, res.chosen)
+        assert data["compile"] is compile_ and to_plan(res, res.chosen).compile is compile_
     # the report names recomputed stages recompute_stages
     assert autopar.Plan.from_json({"pp": 2, "schedule": "1f1b", "recompute_stages": [1]}).recompute == (1,)
 
