@@ -124,6 +124,7 @@ import torch.distributed._functional_collectives  # noqa: F401 - registers the c
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from . import op_semantics
 from .captured import CapturedGraph
 from .costs import annotate_costs
 from .provenance import module_path, op_name, source_of
@@ -150,8 +151,8 @@ _ARANGE = {aten.arange.default, aten.arange.start, aten.arange.start_step}
 # ops a position table may pass through between its placeholder and the slice that picks positions
 _TABLE_CHAIN = {aten._to_copy.default, aten.clone.default, aten.alias.default, aten.detach.default,
                 aten.lift_fresh_copy.default, aten.unsqueeze.default, aten.slice.Tensor}
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
-_MATMUL = {aten.matmul.default}
+_SOFTMAX = op_semantics.SOFTMAX  # attention probabilities (passes/op_semantics.py)
+_MATMUL = op_semantics.MATMUL
 _DROPOUT = {aten.dropout.default, aten.native_dropout.default}
 # reductions a region may take over the keys, keeping the dim (the row max subtracted before the softmax)
 _ROW_REDUCE = {aten.max.dim, aten.amax.default, aten.logsumexp.default}
@@ -166,7 +167,7 @@ _SHAPE_ONLY = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.defa
 # factories without tensor arguments
 _FACTORY = {aten.zeros.default, aten.ones.default, aten.full.default, aten.empty.memory_format,
             aten.scalar_tensor.default}
-_VIEWS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+_VIEWS = op_semantics.VIEWS
 # ops whose value ignores their tensor argument but whose shape follows it
 _LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.full_like.default, aten.empty_like.default}
 # reductions a mask may take over a whole dim (chunked attention's left padding: attention_mask.cumsum(-1) ... .sum(-1))

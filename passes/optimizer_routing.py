@@ -27,11 +27,12 @@ from typing import NamedTuple
 import torch
 import torch.fx as fx
 
+from . import op_semantics
 from .costs import is_view
 
 # ops whose output is the parameter's value moved, cast or selected (expert rows), not computed on
 _PASS_THROUGH = {"clone", "contiguous", "_to_copy", "to", "index", "index_select"}
-_MATMUL = {"linear", "mm", "addmm", "bmm", "baddbmm", "matmul", "_grouped_mm", "einsum"}
+_MATMUL = op_semantics.GEMM_NAMES
 _SELECTS = {"topk", "sort", "argsort", "argmax", "argmin", "kthvalue"}
 # ops between a projection and its head reshape that keep the last dim's heads intact (a bias add too)
 _SPLITS = {"split", "split_with_sizes", "chunk", "unbind", "slice", "add"}

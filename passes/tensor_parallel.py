@@ -41,6 +41,7 @@ from torch._guards import detect_fake_mode
 
 from autopar import linear_ce
 
+from . import op_semantics
 from .captured import CapturedGraph
 from .costs import is_random
 from .provenance import module_path, op_name, source_of
@@ -236,15 +237,14 @@ class _NoRule(Exception):
     pass
 
 
-_SAME = {aten.clone.default, aten._to_copy.default, aten.alias.default, aten.detach.default,
-         aten.contiguous.default, aten.lift_fresh_copy.default}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_SOFTMAX = {aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int}
+_SAME = op_semantics.SAME_VALUE  # the op families: passes/op_semantics.py
+_VIEWS = op_semantics.VIEWS
+_SOFTMAX = op_semantics.SOFTMAX | op_semantics.LOG_SOFTMAX
 _REDUCE = {aten.sum.dim_IntList, aten.mean.dim, aten.amax.default, aten.amin.default}
 _SPLITS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _SDPA = {aten.scaled_dot_product_attention.default}
 _NORMS = {aten.layer_norm.default, aten.rms_norm.default}
-_MATMUL = {aten.matmul.default, aten.bmm.default}
+_MATMUL = op_semantics.MATMUL
 
 
 def _val(a):
