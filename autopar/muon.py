@@ -21,7 +21,7 @@ when its ``muon`` option is true; its ``lr``, ``weight_decay`` and ``eps`` are M
 group's are AdamW's (``adamw_lr`` ...), so an lr scheduler scales both. A Muon group's parameter
 is a matrix, a stack of matrices (experts: every leading index one matrix), or, under ZeRO, a
 flat shard holding whole matrices at the offsets its ``muon_matrices`` option lists (per
-parameter, ``[(offset, shape), ...]``: parallel/zero_layout.py places every matrix wholly in
+parameter, ``[(offset, shape), ...]``: passes/zero_layout.py places every matrix wholly in
 one replica's shard); ``muon_rows`` > 0 orthogonalizes each block of that many rows alone.
 Used directly on ``model.parameters()`` (no routing), 2-D parameters take Muon and the others
 AdamW.
@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch.optim.adam import adam
+
+from autopar.passes.zero_layout import shard_matrices, whole_matrices  # noqa: F401 - part of autopar.muon's API
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 
@@ -65,29 +67,10 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     raise ValueError(f"autopar.Muon: adjust_lr_fn must be None, 'original' or 'match_rms_adamw', got {adjust_lr_fn!r}")
 
 
-def shard_matrices(shapes, offsets, lo: int, n: int) -> list[tuple[int, tuple[int, int]]]:
-    """``muon_matrices`` of one flat shard: (offset in the shard, 2-D shape) of every matrix of
-    the parameters (``shapes`` at ``offsets`` in the flat vector) that lie in its elements
-    ``[lo, lo + n)``; an aligned layout (parallel/zero_layout.aligned_offsets) puts each
-    parameter wholly in one shard."""
-    out = []
-    for shape, o in zip(shapes, offsets):
-        size = math.prod(shape)
-        if lo <= o < lo + n and size:
-            assert o + size <= lo + n, (shape, o, lo, n)  # the layout keeps matrices whole
-            r, c = shape[-2:]
-            out += [(o - lo + k * r * c, (r, c)) for k in range(size // (r * c))]
-    return out
-
-
 # parameter-group options that describe where matrices lie in this plan's shards: a checkpoint
 # neither saves nor restores them (another plan lays its shards out anew)
 LAYOUT_OPTIONS = frozenset({"muon_matrices", "muon_tp"})
 
-
-def whole_matrices(options: dict) -> bool:
-    """Whether a parameter group with these options needs each matrix whole on one rank."""
-    return bool(options.get("muon"))
 
 
 def matrix_blocks(shape, rows: int) -> list[tuple[int, int]]:

@@ -6,7 +6,7 @@ communicated per step, in the same run.
 Model: ``autopar.examples.gpt`` (seeded, fp32). Both optimizers train the same model on the same
 2 processes, one after the other: ``torch.optim.AdamW`` (the peer: every parameter in one
 ZeRO-1 flat set, packed) and ``autopar.Muon`` (its hidden matrices in a Muon set whose shards
-hold whole matrices, parallel/zero_layout.aligned_offsets; the rest under AdamW).
+hold whole matrices, passes/zero_layout.aligned_offsets; the rest under AdamW).
 
 Measured per rank, over the last ``steps - 1`` steps (step 1 creates the optimizer state):
   step ms    the median wall time of ``pm.optimizer.step()`` (the ZeRO-1 step: this replica's

@@ -7,10 +7,9 @@ data.py                DataParallel: dp*cp replicas, gradient reduction, ZeRO 0-
                        storage, ZeRO-3 program rewrite, optimizer wrapping, shard mapping)
 context.py             ContextParallel: sequence sharding, the Ulysses graph rewrite
 expert.py              ExpertParallel: experts sharded over ep ranks, their state mapping
-zero_layout.py         ZeRO-2/3 layer groups as data (also read by planner/memory_model.py)
 base.py                what every owner offers the orchestrator (autopar/build.py)
 =====================  =====================================================================
 
-This package's ``__init__`` imports nothing, so ``autopar.parallel.zero_layout`` stays
-importable without torch.
+The ZeRO-2/3 layer groups as data live in passes/zero_layout.py, where their lowest user
+(ZeRO-3's graph rewrite, passes/zero_stream.py) can read them without importing a layer above.
 """

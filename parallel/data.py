@@ -22,7 +22,7 @@ rank: one owner.
   copies (mixed precision, ZeRO-0), the ZeRO-1 flat shard, the ZeRO-2/3 group shards; and the
   compute copies the programs read (``param_dtype`` under mixed precision), refreshed from the
   masters after every step;
-* the ZeRO-2/3 layout (parallel/zero_layout.py) and its storage, and ZeRO-3's program rewrite
+* the ZeRO-2/3 layout (passes/zero_layout.py) and its storage, and ZeRO-3's program rewrite
   (passes/zero_stream.py);
 * the user's optimizer, wrapped for the ZeRO level;
 * the mapping between its masters and whole parameters (``whole`` / ``load_whole``), and
@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from autopar.muon import whole_matrices
+from autopar.passes.zero_layout import ParamSpec, layer_group, whole_matrices, zero_layout
 from autopar.passes.zero_stream import stream_parameters
 from autopar.runtime import comms
 from autopar.runtime.grad_reduce import BucketedReducer, naive_all_reduce
@@ -53,7 +53,6 @@ from autopar.runtime.stage_work import ParamGrads
 from autopar.runtime.zero import ZeroOneOptimizer
 
 from .base import Parallelism, Shard
-from .zero_layout import ParamSpec, layer_group, zero_layout
 
 
 class _Buffers(ParamGrads):

@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from autopar.parallel.zero_layout import ZeroLayout
+from autopar.passes.zero_layout import ZeroLayout
 
 from . import keys
 from .program import Program, StageProgram

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autopar.parallel.zero_layout import MASTER_BYTES
+from autopar.passes.zero_layout import MASTER_BYTES
 from autopar.schedules.ir import B, F, I, W
 
 from .estimate import Evaluator, GiB, Layout, Partition, runtime_overhead

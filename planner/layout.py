@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from autopar.parallel.zero_layout import MASTER_BYTES
+from autopar.passes.zero_layout import MASTER_BYTES
 from autopar.schedules.costs import Costs
 
 from .profile import ModelProfile

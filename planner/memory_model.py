@@ -2,7 +2,7 @@
 ``Evaluator``); the heaviest rank decides.
 
 Per pipeline rank: parameters, gradients and optimizer states (sharded over dp*cp by the ZeRO
-level; ZeRO-2/3 exactly as ``autopar.parallel.zero_layout`` lays them out, padding, resident
+level; ZeRO-2/3 exactly as ``autopar.passes.zero_layout`` lays them out, padding, resident
 group and gather buffers included; expert weights split over ep, and their ZeRO shards taken over
 their expert-data-parallel group, dp*cp/ep; a parameter several units share, e.g. a tied
 embedding/head, once per rank), the saved activations at the schedule's peak (walking each
@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 
-from autopar.parallel.zero_layout import (
+from autopar.passes.zero_layout import (
     MASTER_BYTES,
     ParamSpec,
     ZeroLayout,
@@ -46,7 +46,7 @@ from .profile import UnitKind
 # arXiv:2006.16668) train with as headroom for routing imbalance; ``--moe-imbalance`` sets it.
 DEFAULT_MOE_IMBALANCE = 1.25
 
-# the ZeRO layout takes expert shards over their own replicas (autopar.parallel.zero_layout)
+# the ZeRO layout takes expert shards over their own replicas (autopar.passes.zero_layout)
 _ZL_EXPERTS = "expert_replicas" in inspect.signature(zero_layout).parameters
 
 
@@ -104,7 +104,7 @@ class MemoryModel:
     def muon_shards(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
         """(elements, Newton-Schulz FLOPs) of ``kind``'s Muon matrices one rank steps (0 unless
         ``optimizer == "muon"``): expert ones split by ep; under ZeRO >= 1 each replica steps
-        the matrices of its own shard (parallel/zero_layout.aligned_offsets: about 1/R of
+        the matrices of its own shard (passes/zero_layout.aligned_offsets: about 1/R of
         them), under ZeRO-0 every replica steps them all."""
         if self.optimizer != "muon":
             return 0.0, 0.0
@@ -353,7 +353,7 @@ class MemoryModel:
 
     def zero_layout(self, lay: Layout, part: Partition, s2r, rank: int) -> ZeroLayout | None:
         """The ZeRO-2/3 layout ``rank`` shards its parameters into, exactly as the runtime
-        builds it (autopar.parallel.zero_layout); None without ZeRO-2/3 over replicas or when
+        builds it (autopar.passes.zero_layout); None without ZeRO-2/3 over replicas or when
         the profile's units carry no parameter names. Expert weights with an expert dimension
         ep divides are in it with their local shape, over dp*cp/ep (``expert_replicas``);
         ``zero_layout_experts`` says whether they are. Computed once per (ZeRO level,
@@ -399,7 +399,7 @@ class MemoryModel:
 
     def muon_dealt(self, lay: Layout, part: Partition, s2r, rank: int) -> tuple[float, float] | None:
         """Under ``optimizer="muon"`` and ZeRO >= 1: how the runtime deals ``rank``'s Muon
-        matrices whole to the replicas (parallel/zero_layout.aligned_offsets: ZeRO-1 and ZeRO-2
+        matrices whole to the replicas (passes/zero_layout.aligned_offsets: ZeRO-1 and ZeRO-2
         one set over all its layers, ZeRO-3 one per layer; expert shards over their
         expert-data-parallel group, or stepped whole where it is one rank): (the padding
         elements the whole-matrix shards add, Newton-Schulz FLOPs of the replica that steps the

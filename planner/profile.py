@@ -48,11 +48,11 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
-from autopar.parallel.zero_layout import ParamSpec, ns_flops
 from autopar.passes.context_parallel import grouped_kv_heads, kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import value_bytes
 from autopar.passes.costs import view_base as _base
+from autopar.passes.zero_layout import ParamSpec, ns_flops
 from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
@@ -233,7 +233,7 @@ class UnitKind:
     # of ``saved_bytes``, what only W reads (an activation offload keeps it on the host through I)
     saved_w_only: float = 0.0
     # the parameters autopar.Muon steps (passes/optimizer_routing.py: the hidden matrices), their
-    # elements and one step's Newton-Schulz FLOPs (parallel/zero_layout.ns_flops), the expert
+    # elements and one step's Newton-Schulz FLOPs (passes/zero_layout.ns_flops), the expert
     # weights' part of each apart (split by ep)
     muon_params: int = 0
     muon_expert_params: int = 0

@@ -1,7 +1,7 @@
 """ZeRO-2 and ZeRO-3 storage over the replicas of a pipeline rank, flat-buffer style.
 
 The layout (which parameters form which flat group, padding, what is streamed and what stays
-resident) is ``autopar.parallel.zero_layout``; this module holds the tensors and moves them.
+resident) is ``autopar.passes.zero_layout``; this module holds the tensors and moves them.
 Each group is one flat vector padded to a multiple of the count R of replicas it is sharded
 over, of which this rank keeps one contiguous shard: the fp32 ``master`` the user's optimizer
 steps (optimizer states are 1/R). Dense groups are sharded over the dp*cp replicas of the
@@ -38,8 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from autopar.muon import shard_matrices, whole_matrices
-from autopar.parallel.zero_layout import ZeroLayout
+from autopar.passes.zero_layout import ZeroLayout, shard_matrices, whole_matrices
 
 from . import comms
 from .optim import WrappedOptimizer

@@ -21,8 +21,7 @@ import math
 
 import torch
 
-from autopar.muon import shard_matrices, whole_matrices
-from autopar.parallel.zero_layout import flat_offsets
+from autopar.passes.zero_layout import flat_offsets, shard_matrices, whole_matrices
 
 from . import comms
 from .optim import WrappedOptimizer
@@ -31,7 +30,7 @@ from .optim import WrappedOptimizer
 class _FlatSet:
     """One option set's parameters as a flat vector and this replica's shard of it, sharded over
     ``group`` (``dp`` ranks, this one ``dp_rank``; None: one rank). ``aligned``: every parameter
-    wholly inside one replica's shard (Muon: parallel/zero_layout.aligned_offsets), else packed
+    wholly inside one replica's shard (Muon: passes/zero_layout.aligned_offsets), else packed
     one after the other."""
 
     def __init__(self, names: list[str], params: dict, group, dp: int, dp_rank: int, initial: dict, device,

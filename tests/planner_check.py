@@ -1,5 +1,5 @@
 """The planner's per-rank parameter bytes for a runtime plan, to compare with what the runtime
-allocates (the planner and the runtime share one ZeRO layout, parallel/zero_layout.py)."""
+allocates (the planner and the runtime share one ZeRO layout, passes/zero_layout.py)."""
 from __future__ import annotations
 
 

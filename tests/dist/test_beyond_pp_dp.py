@@ -110,7 +110,7 @@ def _planner_parameter_bytes(case_name: str, plan: dict):
 @pytest.mark.parametrize("world", sorted(MATRIX))
 def test_zero3_cp_ep_match_eager(world):
     """... and for the ZeRO-3 sub-cases of gpt, the planner's predicted per-rank parameter bytes
-    equal what the runtime allocates, byte for byte (one layout definition, parallel/zero_layout.py)."""
+    equal what the runtime allocates, byte for byte (one layout definition, passes/zero_layout.py)."""
     import torch
 
     assert _routes_zero_tokens_somewhere(), "moe_ep must route zero tokens to an expert on a rank"

@@ -3,7 +3,7 @@ eager ``torch.optim.Muon`` on the routed matrices plus ``torch.optim.AdamW`` on 
 (tests/reference.EagerMuonAdamW, float32 Newton-Schulz in both): loss 1e-5, parameters 1e-4
 after three steps; the replicas hold bitwise-identical parameters.
 
-Under ZeRO every Muon matrix lies wholly in one replica's shard (parallel/zero_layout.
+Under ZeRO every Muon matrix lies wholly in one replica's shard (passes/zero_layout.
 aligned_offsets); ``test_aligned_layout_keeps_matrices_whole`` shows the packed layout would
 cut GPT's matrices at the shard boundary, and the aligned one cuts none.
 
@@ -149,7 +149,7 @@ def test_aligned_layout_keeps_matrices_whole(prefix):
     """GPT-3-blocks' Muon matrices (the ZeRO-1 set of the world-2 run) and one block's (a
     ZeRO-2/3 layer group) over 2 replicas."""
     case = _case("gpt3")
-    from autopar.parallel.zero_layout import aligned_offsets
+    from autopar.passes.zero_layout import aligned_offsets
 
     shapes = [tuple(p.shape) for f, p in case.model.named_parameters() if p.ndim == 2 and f.startswith(prefix)]
     sizes = [math.prod(s) for s in shapes]
@@ -168,7 +168,7 @@ def test_zero2_deals_matrices_over_all_layers():
     """Llama-8B-shaped layers (7 matrices each) at dp=8: dealt per layer, whole matrices pad the
     shards to 2.15x the elements (a replica gets nothing); ZeRO-2, which gathers nothing per
     layer, deals the aligned set over all layers in one group (1.08x); ZeRO-3 keeps its layers."""
-    from autopar.parallel.zero_layout import ParamSpec, zero_layout
+    from autopar.passes.zero_layout import ParamSpec, zero_layout
 
     shapes = [(4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096), (14336, 4096), (14336, 4096), (4096, 14336)]
     specs = [ParamSpec(f"layers.{i}.m{j}.weight", s) for i in range(4) for j, s in enumerate(shapes)]

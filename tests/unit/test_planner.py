@@ -1151,7 +1151,7 @@ def test_muon_worst_replica_and_padding():
     replica that steps the most does one 14336 x 4096 matrix a layer (32 of them) and each layer
     pads 8 x 14336 x 4096 - 13 x 4096^2 elements; ZeRO-1 deals all 224 matrices at once, within
     a few percent of an eighth of the work each, with little padding."""
-    from autopar.parallel.zero_layout import ns_flops
+    from autopar.passes.zero_layout import ns_flops
 
     pm = presets.build_preset("llama3-8b", seq_len=256)
     prof = profile_model(pm.model, pm.inputs, pm.target, pm.loss_fn, name=pm.name, layer_repeats=pm.layer_repeats,

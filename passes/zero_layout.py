@@ -210,3 +210,25 @@ def zero_layout(params: Sequence[ParamSpec], zero: int, replicas: int, tied: Col
             offsets=offsets, numel=sum(p.numel for p in members), padded=padded,
             streamed=zero == 3 and base != RESIDENT, tied=base in tied, options=opt, expert=expert, replicas=n))
     return ZeroLayout(zero=zero, replicas=replicas, groups=tuple(groups), expert_replicas=expert_replicas)
+
+
+# Muon's matrices in flat shards (autopar/muon.py; runtime/zero.py and runtime/sharded.py read them)
+
+def shard_matrices(shapes, offsets, lo: int, n: int) -> list[tuple[int, tuple[int, int]]]:
+    """``muon_matrices`` of one flat shard: (offset in the shard, 2-D shape) of every matrix of
+    the parameters (``shapes`` at ``offsets`` in the flat vector) that lie in its elements
+    ``[lo, lo + n)``; an aligned layout (passes/zero_layout.aligned_offsets) puts each
+    parameter wholly in one shard."""
+    out = []
+    for shape, o in zip(shapes, offsets):
+        size = math.prod(shape)
+        if lo <= o < lo + n and size:
+            assert o + size <= lo + n, (shape, o, lo, n)  # the layout keeps matrices whole
+            r, c = shape[-2:]
+            out += [(o - lo + k * r * c, (r, c)) for k in range(size // (r * c))]
+    return out
+
+
+def whole_matrices(options: dict) -> bool:
+    """Whether a parameter group with these options needs each matrix whole on one rank."""
+    return bool(options.get("muon"))

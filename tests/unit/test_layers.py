@@ -1,0 +1,85 @@
+"""L1: the packages layer one way (docs/design-notes.md, "Layers"). Every ``autopar`` import in
+the library, at module level or inside a function, goes from a layer to the same or a lower
+one; the few known exceptions are listed with why, and an exception that no longer exists
+fails the test too (so the list only shrinks)."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGES = ("schedules", "passes", "runtime", "parallel", "planner")
+
+# bottom (pure: graphs, schedules, data) to top (the orchestrator); top-level autopar modules by name
+LAYERS = {
+    "schedules": 0, "autopar.errors": 0, "autopar.linear_ce": 0,
+    "passes": 1, "autopar.nn": 1, "autopar.plan": 1,          # graph -> graph; the plan as data
+    "runtime": 2,                                              # execution, every collective
+    "parallel": 3, "autopar.muon": 3,                          # one owner per parallelism
+    "planner": 4, "autopar.data": 4, "autopar.examples": 4,    # cost model and search
+}
+ORCHESTRATOR = 5  # every other top-level module: api, build, checkpoint, state, cli, demo, ...
+
+# (importing file, imported unit) -> why it is still there
+KNOWN = {
+    ("passes/capture.py", "runtime"): "the MoE experts entries are served while tracing (runtime/moe_exchange)",
+    ("passes/moe_dispatch.py", "runtime"): "the dispatch ops' eager kernels run the exchange (runtime/moe_exchange)",
+    ("passes/sequence_parallel.py", "runtime"): "the sequence-parallel ops' eager kernels call runtime/comms",
+}
+
+
+def _unit(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) >= 2 and parts[1] in PACKAGES:
+        return parts[1]
+    return ".".join(parts[:2])
+
+
+def _layer(unit: str) -> int:
+    return LAYERS.get(unit, ORCHESTRATOR)
+
+
+def _module_of(path: str, root: str) -> str:
+    rel = os.path.relpath(path, root)[:-3].split(os.sep)
+    return "autopar." + ".".join(rel[1:] if rel[0] == "autopar" else rel)
+
+
+def imports(root: str = ROOT):
+    """(file relative to root, importing unit, imported unit) for every cross-unit autopar import."""
+    files = [os.path.join(root, p, f) for p in PACKAGES + ("autopar",)
+             for f in sorted(os.listdir(os.path.join(root, p))) if f.endswith(".py")]
+    for path in files:
+        mod = _module_of(path, root)
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level:
+                base = mod.split(".")[: -node.level]
+                names = [".".join(base + [node.module])] if node.module else [".".join(base + [a.name])
+                                                                               for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = ["autopar." + a.name for a in node.names] if node.module == "autopar" else [node.module]
+            else:
+                continue
+            for name in names:
+                if name.startswith("autopar") and _unit(name) != _unit(mod):
+                    yield os.path.relpath(path, root), _unit(mod), _unit(name)
+
+
+def upward(root: str = ROOT) -> set:
+    return {(f, b) for f, a, b in imports(root) if _layer(b) > _layer(a)}
+
+
+def test_imports_go_down_the_layers():
+    up = upward()
+    assert up - set(KNOWN) == set(), sorted(up - set(KNOWN))
+    assert set(KNOWN) - up == set(), f"no longer imported, drop from KNOWN: {sorted(set(KNOWN) - up)}"
+
+
+def test_a_pass_importing_the_runtime_fails(tmp_path):
+    """The check on a copy of the tree in which one more pass imports the runtime."""
+    import shutil
+
+    for p in PACKAGES + ("autopar",):
+        shutil.copytree(os.path.join(ROOT, p), tmp_path / p, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "passes" / "split_stages.py", "a") as fh:
+        fh.write("\n\ndef _late():\n    from autopar.runtime import comms  # noqa\n    return comms\n")
+    assert upward(str(tmp_path)) - set(KNOWN) == {("passes/split_stages.py", "runtime")}
