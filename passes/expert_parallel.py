@@ -12,10 +12,11 @@ blocks it refuses (FQN, why). Two kinds of block are recognized:
 * Hugging Face ``transformers`` blocks whose ``experts`` is a transformers experts module
   (``@use_experts_implementation``: Mixtral, Qwen2/Qwen3-MoE, DeepSeek-V3, ...): *dropless*,
   by the same op (see passes/hf_moe.py);
-* blocks whose ``experts`` beside a ``gate``/``router`` is an experts module of any other form
-  that keeps the same contract (every parameter ``[E, ...]``, called as
-  ``experts(hidden [N, d], top_k_index [N, k], top_k_weights [N, k])``, static shapes): the
-  same dispatch, running the module's own forward on each rank's experts (passes/hf_moe.py).
+* blocks holding an experts module of any other form that keeps the same contract (every
+  parameter ``[E, ...]``, called as ``experts(hidden [N, d], top_k_index [N, k], top_k_weights
+  [N, k])``, static shapes) beside a router (a child with an ``[E, d]`` weight), whatever the
+  two children are called: the same dispatch, running the module's own forward on each rank's
+  experts (passes/hf_moe.py).
 
 Any other block that looks like an MoE (an ``experts`` module that breaks that contract, or
 experts held as separate modules) is refused by name, with what broke, before any
@@ -168,16 +169,23 @@ _EXPECTED = f"autopar.nn.MoE (static capacity, batched experts [E, ...]) or {hf_
 def _scan(model: nn.Module):
     """(ours: [(fqn, MoE)], hf: [(block fqn, experts fqn, experts module)] (transformers experts
     modules and those of other forms), refused: [(fqn, class, why)]), in ``named_modules``
-    order; a block FQN is "" for the root."""
+    order; a block FQN is "" for the root.
+
+    A block is found by what it holds, whatever the names: a child that is a transformers
+    experts module, or one of another form that keeps the experts contract (every parameter
+    ``[E, ...]``, a forward of three positional tensors: ``_contract_child``) beside a router
+    (a child with an ``[E, d]`` weight). A child called ``experts`` that breaks the contract is
+    refused with what broke; under other names a module that does not keep it is not an MoE."""
     ours, hf, refused = [], [], []
     for name, m in model.named_modules():
         if isinstance(m, MoE):
             ours.append((name, m))
             continue
-        experts = getattr(m, "experts", None)
-        if not isinstance(experts, nn.Module) or isinstance(experts, GroupedExperts):
+        attr = _experts_child(m)
+        if attr is None:
             continue
-        prefix = f"{name}.experts" if name else "experts"
+        experts = getattr(m, attr)
+        prefix = f"{name}.{attr}" if name else attr
         if hf_moe.is_hf_experts(experts):
             why = hf_moe.hf_refusal(experts)
             if why is None:
@@ -188,13 +196,39 @@ def _scan(model: nn.Module):
         if isinstance(experts, (nn.ModuleList, nn.ModuleDict)):
             refused.append((name, type(m).__name__, f"{prefix} is a {type(experts).__name__} (separate expert "
                                                     "modules, routed with data-dependent shapes)"))
-        elif any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router")):
+        elif attr != "experts" or any(isinstance(getattr(m, r, None), nn.Module) for r in ("gate", "router")):
             why = _form_refusal(experts, m)  # an experts module of another form
             if why is None:
                 hf.append((name, prefix, experts))
             else:
                 refused.append((name, type(m).__name__, f"{prefix} ({type(experts).__name__}): {why}"))
     return ours, hf, refused
+
+
+def _experts_child(block: nn.Module) -> str | None:
+    """The attribute of ``block``'s experts module (see ``_scan``), or None."""
+    children = [(a, c) for a, c in block.named_children() if not isinstance(c, GroupedExperts)]
+    for attr, child in children:
+        if hf_moe.is_hf_experts(child):
+            return attr
+    named = getattr(block, "experts", None)
+    if isinstance(named, nn.Module) and not isinstance(named, GroupedExperts):
+        return "experts"
+    for attr, child in children:
+        if _contract_child(block, child):
+            return attr
+    return None
+
+
+def _contract_child(block: nn.Module, child: nn.Module) -> bool:
+    """Whether ``child`` looks like an experts module of another form: not a list of modules,
+    every parameter ``[E, ...]`` with ``E >= 2``, a forward of three positional tensors, and a
+    sibling router with an ``[E, d]`` weight (``hf_moe.router_of``)."""
+    if isinstance(child, (nn.ModuleList, nn.ModuleDict)) or hf_moe.parameter_refusal(child) is not None:
+        return False
+    n = hf_moe.expert_count(child)
+    return bool(n and n >= 2 and hf_moe.signature_refusal(child) is None
+                and hf_moe.router_of(block, child, n) is not None)
 
 
 def _form_refusal(experts: nn.Module, block: nn.Module, ep: int = 1) -> str | None:

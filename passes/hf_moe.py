@@ -131,7 +131,7 @@ def hf_expert_count(module: nn.Module) -> int:
 
 def hf_refusal(module: nn.Module) -> str | None:
     """Why EP cannot shard this transformers experts module, or None when it can."""
-    why = _signature_refusal(module)
+    why = signature_refusal(module)
     if why:
         return why
     n_experts = getattr(module, "num_experts", None)
@@ -177,6 +177,12 @@ def _dispatch(module, hidden_states, top_k_index, top_k_weights, n_local: int) -
     spec_names = moe_dispatch.registered_names(module)
     return moe_dispatch.dropless_experts(hidden_states, top_k_index, top_k_weights, [params[n] for n in spec_names],
                                          module, module.ep_group, module.ep, n_local)
+
+
+def _block_name(prefix: str) -> str:
+    """The block FQN of an experts prefix ``"<block>.<attr>."`` ("<root>" for a root block)."""
+    head = prefix.rstrip(".")
+    return head.rsplit(".", 1)[0] if "." in head else "<root>"
 
 
 def _register(experts: nn.Module, block: nn.Module | None, layer: str, n_experts: int, n_local: int) -> None:
@@ -243,7 +249,7 @@ def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: 
         experts.__class__ = _ep_class(type(experts))
         experts.ep, experts.ep_rank, experts.ep_group, experts.ep_experts = ep, ep_rank, group_name, n_experts
         experts.num_experts = n_local
-        _register(experts, block, prefix[:-len(".experts.")] or "<root>", n_experts, n_local)
+        _register(experts, block, _block_name(prefix), n_experts, n_local)
     return sharded
 
 
@@ -274,7 +280,7 @@ def _signature(module: nn.Module) -> inspect.Signature:
     return inspect.signature(_first_forward(type(module)))
 
 
-def _signature_refusal(module: nn.Module) -> str | None:
+def signature_refusal(module: nn.Module) -> str | None:
     params = list(_signature(module).parameters.values())[1:]  # without self
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     if len(params) != 3 or any(p.kind not in positional for p in params):
@@ -284,14 +290,27 @@ def _signature_refusal(module: nn.Module) -> str | None:
     return None
 
 
+def router_of(block: nn.Module | None, experts: nn.Module, n_experts: int) -> nn.Module | None:
+    """The child of ``block`` (other than ``experts``) holding an ``[E, d]`` weight: the router
+    that scores the experts, whatever its name (``gate`` and ``router`` first)."""
+    if block is None:
+        return None
+    children = sorted(block.named_children(), key=lambda item: item[0] not in ("gate", "router"))
+    for _attr, child in children:
+        if child is experts:
+            continue
+        if any(p.dim() == 2 and p.shape[0] == n_experts for p in child.parameters(recurse=False)):
+            return child
+    return None
+
+
 def _hidden_size_candidates(module: nn.Module, block: nn.Module | None, n_experts: int) -> list[int]:
     """``d`` to probe the forward with: the router's ``[E, d]`` weight first, then every
     trailing dim of the experts' parameters."""
     found = []
-    for r in ("gate", "router"):
-        router = getattr(block, r, None) if block is not None else None
-        if isinstance(router, nn.Module):
-            found += [int(p.shape[1]) for p in router.parameters() if p.dim() == 2 and p.shape[0] == n_experts]
+    router = router_of(block, module, n_experts)
+    if router is not None:
+        found += [int(p.shape[1]) for p in router.parameters() if p.dim() == 2 and p.shape[0] == n_experts]
     found += [int(s) for p in module.parameters() for s in p.shape[1:]]
     return list(dict.fromkeys(found))
 
@@ -398,7 +417,7 @@ def generic_refusal(module: nn.Module, block: nn.Module | None = None, ep: int =
     ``E``). Pure: runs the forward on fake tensors only."""
     if isinstance(module, GenericExpertParallel):
         return None  # already rewritten (the caller refuses a second rewrite)
-    why = _signature_refusal(module) or parameter_refusal(module)
+    why = signature_refusal(module) or parameter_refusal(module)
     if why:
         return why
     n_experts = expert_count(module)
@@ -512,5 +531,5 @@ def apply_generic_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_r
     block, ep) is None``), registered for the dropless dispatch op."""
     sharded = keep_local_experts(experts, prefix, ep, ep_rank, group_name, GenericExpertParallel)
     if ep > 1:
-        _register(experts, block, prefix[:-len(".experts.")] or "<root>", experts.ep_experts, experts.ep_local)
+        _register(experts, block, _block_name(prefix), experts.ep_experts, experts.ep_local)
     return sharded

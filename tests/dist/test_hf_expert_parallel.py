@@ -174,11 +174,28 @@ class GatherExperts(nn.Module):
         return (w.unsqueeze(-1) * y).sum(dim=1)
 
 
+class ScoredBank(nn.Module):
+    """A user's MoE block whose children are not called ``experts`` / ``gate`` / ``router``:
+    ``scorer`` (a router returning (logits, top-k weights, top-k ids)) and ``bank`` (an experts
+    module of the dropless contract). EP finds it by what the children hold (L4)."""
+
+    def __init__(self, scorer: nn.Module, bank: nn.Module):
+        super().__init__()
+        self.scorer, self.bank = scorer, bank
+
+    def forward(self, hidden_states):
+        shape = hidden_states.shape
+        flat = hidden_states.reshape(-1, shape[-1])
+        _logits, weights, ids = self.scorer(flat)
+        return self.bank(flat, ids, weights).reshape(shape)
+
+
 def custom_experts(model, seed: int = 0):
     """Replace every ``mlp.experts`` of a tiny Mixtral by ``LoopExperts`` (even layers) /
-    ``GatherExperts`` (odd), as a user would: the expert weights copied (times 5, so that the
-    experts' outputs, hence the per-expert scales' gradients, are not negligible), the extra
-    per-expert parameters drawn from ``seed``."""
+    ``GatherExperts`` (odd, whose block becomes a ``ScoredBank``: experts and router under other
+    names), as a user would: the expert weights copied (times 5, so that the experts' outputs,
+    hence the per-expert scales' gradients, are not negligible), the extra per-expert parameters
+    drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed + 7)
     for i, layer in enumerate(model.model.layers):
         old = layer.mlp.experts
@@ -200,7 +217,10 @@ def custom_experts(model, seed: int = 0):
                 new.down.copy_(down)
                 new.post.scale.copy_(scale)
                 new.post.shift.copy_(bias)
-        layer.mlp.experts = new
+        if isinstance(new, LoopExperts):
+            layer.mlp.experts = new
+        else:
+            layer.mlp = ScoredBank(layer.mlp.gate, new)
     return model
 
 

@@ -119,17 +119,18 @@ def test_experts_of_other_forms_are_sharded_like_hf_ones(hf):
     model = _custom_mixtral()
     assert moe_blocks(model) == [("model.layers.0.mlp", 4), ("model.layers.1.mlp", 4)]
     assert refused_moe_blocks(model) == []
-    # every parameter of the experts module, its child's included; not the router
+    # every parameter of the experts module, its child's included; not the router. Layer 1's block
+    # calls them bank and scorer (tests/dist/test_hf_expert_parallel.ScoredBank): found all the same
     params = expert_parameters(model)
     assert params == ([f"model.layers.0.mlp.experts.{p}" for p in ("w_gate", "w_up", "w_down", "out_scale", "out_bias")]
-                      + [f"model.layers.1.mlp.experts.{p}" for p in ("gate_up", "down", "post.scale", "post.shift")])
+                      + [f"model.layers.1.mlp.bank.{p}" for p in ("gate_up", "down", "post.scale", "post.shift")])
     check_expert_parallel(model, 2)
     check_expert_parallel(model, 4)
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     want = model(ids).logits
     ep1 = copy.deepcopy(model)
     assert set(apply_expert_parallel(ep1, 1, 0, None)) == set(params)
-    assert type(ep1.model.layers[1].mlp.experts) is type(model.model.layers[1].mlp.experts)
+    assert type(ep1.model.layers[1].mlp.bank) is type(model.model.layers[1].mlp.bank)
     assert torch.equal(ep1(ids).logits, want)
 
     # a transformers experts class whose forward a user overrode is not the transformers code:
