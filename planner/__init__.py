@@ -81,7 +81,7 @@ def plan_model(model=None, inputs=None, target=None, loss_fn=None, *, gpus: int,
                   exhaustive=exhaustive, allow_cp=allow_cp, allow_ep=allow_ep, allow_tp=allow_tp,
                   zero_levels=tuple(zero_levels),
                   pin=tuple((pin or {}).items()), loss_chunking=loss_chunking,
-                  offloading=offloading, optimizer=optimizer, **kw)
+                  offloading=offloading, optimizer=optimizer, disk_cache=bool(profile_cache), **kw)
     res = plan(prof, device, req, progress=progress)
     info = {"capture_s": prof.capture_s, "trace_s": prof.trace_s, "parameters": prof.total_params,
             "units": len(prof.units), "profile_cached": cached}

@@ -75,6 +75,9 @@ class Request:
     loss_chunking: bool = True          # price the chunked cross-entropy where memory binds (--no-loss-chunk)
     offloading: bool = True             # price activation offload where memory binds (--no-offload)
     optimizer: str = "adamw"            # the optimizer priced: "adamw" or "muon" (--optimizer)
+    # read and write the schedules' in-flight table on disk ($AUTOPAR_CACHE_DIR/tables); False
+    # (--no-cache, and plan_model without profile_cache): nothing read from or written to disk
+    disk_cache: bool = field(default=False, compare=False)
 
     def __post_init__(self):
         if not self.moe_imbalance >= 1.0:
@@ -355,6 +358,8 @@ def _first_valid(combos, pp, dp, cp, ep, z, per_replica, tp: int = 1, pin: dict 
 
 def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], None] | None = None) -> PlanResult:
     say = progress or (lambda msg: None)
+    if req.disk_cache:
+        _load_inflight()
     t0 = time.perf_counter()
     ev = Evaluator(profile, device, req.memory_limit, req.global_batch, moe_imbalance=req.moe_imbalance,
                    loss_chunking=req.loss_chunking, offloading=req.offloading, optimizer=req.optimizer)
@@ -471,7 +476,8 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
         chosen.status, chosen.reason = "chosen", "fastest predicted step that fits"
         for c in feas[1:]:
             c.reason = f"{(c.time / chosen.time - 1) * 100:.1f}% slower ({c.time:.4g} s vs {chosen.time:.4g} s)"
-    _save_inflight()
+    if req.disk_cache:
+        _save_inflight()
     return PlanResult(chosen=chosen, candidates=cands + rejected, evaluator=ev, request=req,
                       search_s=time.perf_counter() - t0, solver_s=solver_s, ilp_runs=ilp_runs)
 
@@ -505,10 +511,17 @@ def _inflight(lay: Layout) -> tuple[float, float]:
     return _inflight_of(lay.schedule, lay.pp, lay.m, lay.v)
 
 
-# _inflight_of's values by (schedule, pp, m, v), kept on disk between runs of the same code
-# (profile_cache.load_table): building the schedules' frontiers is most of a large search's screen
+# _inflight_of's values by (schedule, pp, m, v): a cache keyed by content (they depend on the code
+# alone), kept on disk between runs of the same code where the request allows (Request.disk_cache;
+# profile_cache.load_table): building the schedules' frontiers is most of a large search's screen
 _INFLIGHT: dict = {}
 _INFLIGHT_STATE = {"loaded": False, "new": False}
+
+
+def _load_inflight() -> None:
+    if not _INFLIGHT_STATE["loaded"]:
+        _INFLIGHT.update({k: v for k, v in profile_cache.load_table("inflight").items() if k not in _INFLIGHT})
+        _INFLIGHT_STATE["loaded"] = True
 
 
 @lru_cache(maxsize=65536)
@@ -518,9 +531,6 @@ def _inflight_of(schedule: str, pp: int, m: int, v: int) -> tuple[float, float]:
     it is steady (no build beyond warm-up); for the greedy v-half / zb-h2 orders, which are
     built per m, the bound every schedule meets: the first microbatch's F on each of a rank's
     stages before any of their backwards."""
-    if not _INFLIGHT_STATE["loaded"]:
-        _INFLIGHT.update(profile_cache.load_table("inflight"))
-        _INFLIGHT_STATE["loaded"] = True
     key = (schedule, pp, m, v)
     if key not in _INFLIGHT:
         _INFLIGHT[key] = _inflight_counts(schedule, pp, m, v)

@@ -36,7 +36,9 @@ def _files(d):
 def test_cached_profile_gives_the_same_plan(cache_dir, caplog):
     pm = presets.build_preset("llama3-8b", seq_len=256)
     plain, info0 = _plan(pm)
-    assert not info0["profile_cached"] and _files(cache_dir) == []  # off unless asked
+    # off unless asked: neither the profile nor the schedules' in-flight table on disk (this machine's
+    # measured device profile, which the default device reads, is its own cache)
+    assert not info0["profile_cached"] and set(os.listdir(cache_dir)) <= {"cpu_profile.json"}
     first, info1 = _plan(pm, profile_cache=True)
     assert not info1["profile_cached"] and len(_files(cache_dir)) == 1
     again, info2 = _plan(pm, profile_cache=True)
