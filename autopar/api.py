@@ -6,7 +6,6 @@ state between the model's FQNs and the parallelism owners (autopar/parallel/).
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from datetime import timedelta
@@ -18,8 +17,6 @@ from autopar import batches, metrics, state
 from autopar import build as _build
 from autopar.plan import Plan
 from autopar.runtime import moe_exchange
-
-log = logging.getLogger("autopar")
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,
@@ -65,8 +62,6 @@ def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, 
     if grad_reduce not in ("bucketed", "naive"):
         raise ValueError(f"autopar: grad_reduce must be 'bucketed' or 'naive', got {grad_reduce!r}")
     example_inputs, names = batches.as_inputs(example_inputs)
-    if compile is not None and not isinstance(compile, bool):
-        raise ValueError(f"autopar.parallelize: compile={compile!r} must be True, False or None (the plan's)")
     if plan is not None:
         _build.check_world(plan)
     if batch not in ("global", "local"):
@@ -165,10 +160,6 @@ class ParallelModel:
         if b.optimizer is not None:
             b.optimizer.step()
         self.step_count += 1
-        if self.step_count == 1 and self.plan is not None and self.plan.compile:
-            from autopar.runtime.compiled import compile_report
-
-            log.info("autopar: %s", compile_report(b.programs))
         elapsed = time.perf_counter() - t0
         self.metrics = self._recorder.record(b, inputs, total, norm, elapsed, self.step_count, self.log_every)
         return total

@@ -82,6 +82,8 @@ def build(model: nn.Module, inputs: tuple, target, loss_fn, plan: Plan | None, *
     """Every step of ``parallelize`` after its argument checks (see the module docstring).
     ``local_replicas``: the inputs are one dp replica's batch (``batch="local"``): the global
     batch is that many times theirs. ``compile``: overrides ``plan.compile`` (None: keep it)."""
+    if compile is not None and not isinstance(compile, bool):
+        raise ValueError(f"autopar.parallelize: compile={compile!r} must be True, False or None (the plan's)")
     batch = batch_size(inputs, target) * local_replicas
     prediction = None
     if plan is None:

@@ -84,6 +84,10 @@ class Recorder:
         from autopar.batches import tokens
 
         self.setup(built)
+        if step == 1 and built.plan.compile:  # the first step compiled the programs it ran
+            from autopar.runtime.compiled import compile_report
+
+            log.info("autopar: %s", compile_report(built.programs))
         samples = built.microbatch_size * built.num_microbatches * built.plan.dp
         out = {"step": step, "loss": float(loss), "grad_norm": None if norm is None else float(norm),
                "step_time_s": elapsed, "tokens_per_s": tokens(inputs, samples) / elapsed, "flops": self.flops,

@@ -152,15 +152,10 @@ class ExpertParallelMoE(MoE):
                 f"local experts [{self.ep_rank * self.n_local_experts}, {(self.ep_rank + 1) * self.n_local_experts})")
 
 
-_EP_CLASSES: dict[type, type] = {MoE: ExpertParallelMoE}
-
-
 def _ep_class(cls: type) -> type:
-    """The expert-parallel class of ``cls`` (a subclass of MoE keeps its own overrides)."""
-    if cls not in _EP_CLASSES:
-        _EP_CLASSES[cls] = type(f"ExpertParallel{cls.__name__}", (ExpertParallelMoE, cls),
-                                {"__module__": __name__, "__qualname__": f"ExpertParallel{cls.__name__}"})
-    return _EP_CLASSES[cls]
+    """The expert-parallel class of ``cls`` (a subclass of MoE keeps its own overrides; made once,
+    picklable by name: ``hf_moe.mixed_class``)."""
+    return ExpertParallelMoE if cls is MoE else hf_moe.mixed_class(ExpertParallelMoE, cls)
 
 
 _EXPECTED = f"autopar.nn.MoE (static capacity, batched experts [E, ...]) or {hf_moe.EXPECTED}"

@@ -216,16 +216,9 @@ class HFExpertParallel:
                 f"of {self.ep_experts}")
 
 
-_EP_CLASSES: dict[type, type] = {}
-
-
 def _ep_class(cls: type) -> type:
-    if cls not in _EP_CLASSES:
-        name = f"ExpertParallel{cls.__name__}"
-        new = type(name, (HFExpertParallel, cls), {"__module__": __name__, "__qualname__": name})
-        globals()[name] = new  # picklable by name, like a class written here
-        _EP_CLASSES[cls] = new
-    return _EP_CLASSES[cls]
+    """The expert-parallel class of a transformers experts class (``mixed_class``)."""
+    return mixed_class(HFExpertParallel, cls)
 
 
 def apply_hf_expert_parallel(experts: nn.Module, prefix: str, ep: int, ep_rank: int, group_name: str | None,
@@ -474,7 +467,10 @@ class GenericExpertParallel(LocalExperts):
         return _dispatch(self, hidden_states, top_k_index, top_k_weights, self.ep_local)
 
 
-_MIXED: dict[tuple[type, type], type] = {}  # (mixin, class) -> the class with the mixin in front
+# (mixin, class) -> the class with the mixin in front: a cache keyed by the two classes, so a class
+# is made once per process and every rewritten module of one class shares it; each is also a
+# global of this module under its own name, which is what makes the rewritten modules picklable
+_MIXED: dict[tuple[type, type], type] = {}
 
 
 def mixed_class(mixin: type, cls: type) -> type:

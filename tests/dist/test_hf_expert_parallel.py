@@ -7,7 +7,7 @@ reported, the others still run):
   2 ranks: dp=2 x ep=2, 1f1b, ZeRO-3: Mixtral, DeepSeek-V3, "custom", the dropless LM, GPT-OSS,
            Llama 4 (below), Qwen3-MoE with AUTOPAR_EP_FULL=1 (it differs from Mixtral only in its
            router, which EP leaves replicated)
-  4 ranks: pp=2 x dp=2 x ep=2, dualpipev (4 microbatches; its F&B units run their programs
+  4 ranks (with AUTOPAR_EP_FULL=1, which .ci/run sets): pp=2 x dp=2 x ep=2, dualpipev (4 microbatches; its F&B units run their programs
            interleaved), ZeRO-1: Mixtral (MoE blocks on both pipeline ranks; stage 0's
            backward all-to-alls run in its late W), GLM-4.5, the dropless LM and "custom": tiny
            Mixtral whose ``mlp.experts`` a user replaced with experts modules of their own (not
@@ -71,6 +71,8 @@ WORLD_MODELS = {2: ("mixtral", "deepseek_v3", "custom", "dropless", "gpt_oss", "
                 4: ("mixtral", "custom", "dropless", "glm4_moe")}
 if os.environ.get("AUTOPAR_EP_FULL") == "1":
     WORLD_MODELS = {2: WORLD_MODELS[2] + ("qwen3_moe",), 4: WORLD_MODELS[4] + ("deepseek_v3", "gpt_oss", "llama4")}
+else:  # the pipelined 4-process world runs with the flag only (.ci/run sets it after the README command)
+    PLANS = {2: PLANS[2]}
 # (world, sub-case) -> plan fields that differ from the world's plan
 PLAN_CHANGES = {(4, "gpt_oss"): dict(schedule="1f1b"), (2, "deepseek_v3 limit"): dict(moe_receive_limit=1.25)}
 
