@@ -97,6 +97,13 @@ class Request:
         for k in ("pp", "dp", "cp", "tp"):
             if k in pin and self.gpus % pin[k]:
                 raise ValueError(f"--pin {k}={pin[k]} does not divide the GPU count {self.gpus}")
+        if "ep" in pin and "dp" in pin and ("cp" in pin or all(k in pin for k in ("pp", "tp"))):
+            cp = pin["cp"] if "cp" in pin else self.gpus // (pin["pp"] * pin["dp"] * pin["tp"])
+            if (pin["dp"] * cp) % pin["ep"]:
+                raise ValueError(f"--pin ep={pin['ep']}: experts are sharded over the dp x cp = {pin['dp']} x {cp} = "
+                                 f"{pin['dp'] * cp} ranks that hold a pipeline stage, so ep must divide "
+                                 f"{pin['dp'] * cp}; experts folded over the tensor-parallel ranks as well (ep up "
+                                 "to dp x cp x tp) are not built yet: pin a smaller ep, or more dp")
         if self.gpus < 1:
             raise ValueError(f"autopar plan: --gpus must be >= 1, got {self.gpus}")
         if self.global_batch < 1:
