@@ -137,10 +137,7 @@ def _compiled(program: Program, accumulate: tuple[str, ...], into_dtypes: tuple)
     inner = compiled_executable(program, tuple(index[k] for k in accumulate))
     eager = _op_by_op(program, accumulate, into_dtypes, False)
 
-    def fn(args: list):
-        current = cache[key]
-        if current is not fn:  # fell back since
-            return current(args)
+    def fn(args: list):  # (executable() looks the cache up per run: after a fallback it returns eager)
         try:
             return inner(args)
         except Exception as e:  # noqa: BLE001 - Inductor's failure on this graph: run it op by op, say why

@@ -102,7 +102,8 @@ def greedy_order(stage_to_rank: Sequence[int], m: int, costs: Costs, delays: Seq
     ``act[s]``: memory an F of stage s keeps; ``limit[r]``: rank r's budget in the same unit.
     """
     if rng is not None:
-        return _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fraction, rng, None, cutoff)
+        res = _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fraction, rng, None, cutoff)
+        return None if res is _ABANDONED else res
     key = (tuple(stage_to_rank), m, costs, tuple(delays), tuple(act), knobs, i_free_fraction)
     eps = 1e-12
     for lowest, highest, res in _BUILT.get(key, ()):
@@ -188,10 +189,7 @@ def _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fra
         q = wq[r]
         if q and (w_policy == "immediate" or left_fi[r] == 0):
             return t, W, q[0][0]
-        lim = t + eps
-        best = None  # (priority, kind, stage) ready by lim
-        first = None  # (ready, priority, kind, stage), the earliest
-        ready_now = [] if rng is not None else None
+        offers = []  # (ready, priority, kind, stage) of every pass whose inputs exist
         mem_blocked = False
         lim_r = limit[r] + eps
         for s, is_entry, before, after, hop_in, hop_out, need, prio_i, prio_f in plan[r]:
@@ -202,13 +200,7 @@ def _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fra
                     g = end_g[after][k]
                     e = None if g is None else max(e, g + hop_out)
                 if e is not None:
-                    prio = prio_i + k * stride
-                    if e <= lim and (best is None or prio < best[0]):
-                        best = (prio, I, s)
-                    if first is None or (e, prio) < (first[0], first[1]):
-                        first = (e, prio, I, s)
-                    if ready_now is not None and e <= lim:
-                        ready_now.append((I, s))
+                    offers.append((e, prio_i + k * stride, I, s))
             k = nf[s]
             if k < m:  # the next F: its input there, room in flight and in memory
                 if before < 0:
@@ -228,18 +220,19 @@ def _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fra
                     continue
                 if seen is not None and amount > seen[0][r]:
                     seen[0][r] = amount
-                prio = prio_f + k * stride
-                if e <= lim and (best is None or prio < best[0]):
-                    best = (prio, F, s)
-                if first is None or (e, prio) < (first[0], first[1]):
-                    first = (e, prio, F, s)
-                if ready_now is not None and e <= lim:
-                    ready_now.append((F, s))
+                offers.append((e, prio_f + k * stride, F, s))
+        lim = t + eps
+        best = first = None  # the preferred offer ready by lim; the earliest (priorities are unique)
+        for offer in offers:
+            if offer[0] <= lim and (best is None or offer[1] < best[1]):
+                best = offer
+            if first is None or offer < first:
+                first = offer
         if best is not None:
             if rng is not None and rng.random() < 0.2:
-                kind, s = rng.choice(ready_now)
+                _e, _p, kind, s = rng.choice([o for o in offers if o[0] <= lim])
                 return t, kind, s
-            return t, best[1], best[2]
+            return t, best[2], best[3]
         if mem_blocked and q:
             return t, W, q[0][0]
         nxt = first[0] if first is not None else INF
@@ -299,7 +292,7 @@ def _greedy_order(stage_to_rank, m, costs, delays, act, limit, knobs, i_free_fra
         remaining -= 1
         todo[r] -= cost
         if end + todo[r] > give_up:
-            return _ABANDONED if rng is None else None
+            return _ABANDONED
         # decide again for the rank that ran and the one it fed (lower rank first: a randomized
         # restart draws in that order)
         for q in ((r,) if other < 0 or other == r else (r, other) if r < other else (other, r)):
