@@ -15,8 +15,8 @@ import torch.nn as nn
 
 from autopar import batches, metrics, state
 from autopar import build as _build
+from autopar.collectives import moe_exchange
 from autopar.plan import Plan
-from autopar.runtime import moe_exchange
 
 
 def parallelize(model: nn.Module, example_inputs, loss_fn=None, optimizer=None, plan: Plan | None = None, *,

@@ -173,7 +173,7 @@ def label_scales(built, inputs: tuple, names, loss_fn, local: bool, shifted: boo
     per_mb = valid.view(-1, mb).sum(dim=1)  # every microbatch of the batch given, in order
     total = (used != ignore).sum().to(torch.float64)
     if local and built.mesh is not None and plan.dp > 1:
-        from autopar.runtime import comms
+        from autopar.collectives import comms
 
         comms.all_reduce_sum(total, group=built.mesh.replica_group)
     if float(total) == 0:

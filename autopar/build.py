@@ -36,10 +36,10 @@ import torch
 import torch.nn as nn
 
 from autopar import batches, schedules
+from autopar.collectives import moe_exchange
 from autopar.passes.grad_mode import params_with_gradient
 from autopar.passes.token_loss import ignore_index_of
 from autopar.plan import Plan
-from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -65,7 +65,7 @@ class Built:
     prediction: dict | None = None  # the planner's summary and predicted step time / peak, when it planned
     device: torch.device = torch.device("cpu")
     checkpoint: object = None      # runtime/weights.CheckpointReader the weights came from (bytes_read ...)
-    moe_entries: tuple = ()        # its dropless experts modules' dispatch entries (runtime/moe_exchange.py)
+    moe_entries: tuple = ()        # its dropless experts modules' dispatch entries (collectives/moe_exchange.py)
     # the loss is a token mean of the target ignoring this index (passes/token_loss.py): the
     # step is normalized by the valid target entries of the global batch; None otherwise
     target_ignore_index: int | None = None
@@ -344,8 +344,8 @@ def same_graph_everywhere(*, captured, mesh):
     cannot align is an error on every rank."""
     if mesh is None or mesh.world == 1:
         return captured
+    from autopar.collectives import comms
     from autopar.passes.align import align, fingerprints
-    from autopar.runtime import comms
 
     groups = comms.group_names()
     reference = comms.broadcast_object(fingerprints(captured, groups), src=0)

@@ -27,8 +27,9 @@ passes/chunked_loss.py puts these ops in place of a captured head + ``cross_entr
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
+
+from autopar.collectives import comms
 
 
 def _epilogue(z: torch.Tensor, ops: str, values: list[float]) -> tuple[torch.Tensor, list]:
@@ -80,17 +81,17 @@ def target_columns(z: torch.Tensor, target: torch.Tensor, ignore_index: int,
 
 def sharded_lse(zf: torch.Tensor, col: torch.Tensor, hit: torch.Tensor, pg=None):
     """(each row's log-sum-exp, its target logit, exp(z - row max), the row sums of that) of the
-    fp32 logits ``zf`` whose classes may be sharded over the process group ``pg``: the row max
+    fp32 logits ``zf`` whose classes may be sharded over the process group ``pg`` (or its name): the row max
     all-reduced (MAX), then the sums and the target logits (``col`` where ``hit``) in one SUM.
     The exponentials are one fp32 buffer the caller may overwrite."""
     m = zf.amax(dim=-1)
     if pg is not None:
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=pg)
+        comms.all_reduce_max(m, pg)
     p = zf - m[:, None]
     p.exp_()
     both = torch.stack([p.sum(dim=-1), torch.where(hit, zf.gather(1, col[:, None]).squeeze(1), 0.0)])
     if pg is not None:
-        dist.all_reduce(both, group=pg)
+        comms.all_reduce_sum(both, comms.process_group(pg))
     return m + both[0].log(), both[1], p, both[0]
 
 
@@ -120,7 +121,7 @@ def _forward(h, weight, bias, target, ignore_index, chunk, ops, values, group: s
     lse = h.new_empty(n, dtype=torch.float32)
     grad_h = torch.empty_like(h)
     fast = _casts_only(ops)
-    pg = dist.distributed_c10d._resolve_process_group(group) if group else None
+    pg = group or None
     for a, b in _chunks(n, chunk):
         z, trail = _epilogue(F.linear(h[a:b], weight, bias), ops, values)
         zf = z.float()

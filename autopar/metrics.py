@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from autopar.runtime import moe_exchange
+from autopar.collectives import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -42,7 +42,7 @@ def step_flops(built) -> float:
     if built.mesh is None:
         return per_mb * m * built.plan.dp
     total = torch.tensor(per_mb * m, dtype=torch.float64)
-    from autopar.runtime import comms
+    from autopar.collectives import comms
 
     comms.all_reduce_sum(total)
     return float(total)

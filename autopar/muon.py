@@ -87,7 +87,7 @@ def _gathered(block: torch.Tensor, group: str, shard) -> torch.Tensor:
     of this rank; ``group``: the tp process group's name)."""
     import torch.distributed as dist
 
-    from autopar.runtime import comms
+    from autopar.collectives import comms
 
     parts = comms.all_gather_dim0(block.contiguous(), dist.distributed_c10d._resolve_process_group(group))
     return shard.whole(list(parts.chunk(shard.tp, 0)))

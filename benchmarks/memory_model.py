@@ -327,7 +327,7 @@ def _categorized_bytes(state: dict) -> dict:
 # the Python bodies of autopar's custom ops' kernels, by module: what they allocate inside is
 # invisible to a dispatch mode (popped while the op it intercepted runs) unless re-entered there
 KERNEL_BODIES = {
-    "autopar.runtime.moe_exchange": ("send_rows", "run_experts", "combine_rows", "send_grads", "input_grads",
+    "autopar.collectives.moe_exchange": ("send_rows", "run_experts", "combine_rows", "send_grads", "input_grads",
                                      "combine_grads", "weight_grads"),
     "autopar.linear_ce": ("_forward", "_grad_weight"),
 }

@@ -14,7 +14,7 @@ Measured per rank, over the last ``steps - 1`` steps (step 1 creates the optimiz
              on the matrices of its own shard only)
   bytes      bytes every collective of one training step moved (the gradients'
              reduce-scatter, the parameters' all-gather, the gradient norm's all-reduce:
-             counted at the input of each call in runtime/comms.py)
+             counted at the input of each call in collectives/comms.py)
   padding    elements of the flat sets that hold no parameter
 
 Target (U5): Muon's bytes per step <= 1.25x AdamW's. Prints PASS/FAIL; exit status 1 when the
@@ -40,7 +40,7 @@ TARGET = 1.25
 
 
 def _counting(comms, counter: dict) -> dict:
-    """Count the bytes each collective of runtime/comms.py is handed (the all-gather's whole
+    """Count the bytes each collective of collectives/comms.py is handed (the all-gather's whole
     output, the reduce-scatter's whole input); returns the originals to put back."""
     originals = {}
     for name, arg in (("all_reduce_sum", 0), ("all_gather_flat", 0), ("reduce_scatter_sum", 1)):
@@ -56,7 +56,7 @@ def _counting(comms, counter: dict) -> dict:
 
 
 def _rank_main(rank, world, cfg):
-    from autopar.runtime import comms
+    from autopar.collectives import comms
 
     counter = {"bytes": 0}
     originals = _counting(comms, counter)

@@ -42,9 +42,9 @@ import math
 
 import torch
 
+from autopar.collectives import comms
 from autopar.passes.zero_layout import ParamSpec, layer_group, whole_matrices, zero_layout
 from autopar.passes.zero_stream import stream_parameters
-from autopar.runtime import comms
 from autopar.runtime.grad_reduce import BucketedReducer, naive_all_reduce
 from autopar.runtime.materialize import assign
 from autopar.runtime.optim import WrappedOptimizer

@@ -20,8 +20,8 @@ import math
 
 import torch
 
+from autopar.collectives import comms
 from autopar.passes.expert_parallel import apply_expert_parallel, check_expert_parallel
-from autopar.runtime import comms
 
 from .base import Parallelism, Shard
 

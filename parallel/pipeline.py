@@ -13,7 +13,7 @@ from datetime import timedelta
 
 import torch
 
-from autopar.runtime import comms
+from autopar.collectives import comms
 from autopar.runtime.mesh import Mesh, add_p2p_groups, add_tied_groups
 
 from .base import Parallelism

@@ -17,10 +17,10 @@ from dataclasses import replace
 
 import torch
 
+from autopar.collectives import comms
 from autopar.passes.costs import is_random
 from autopar.passes.sequence_parallel import apply_sequence_parallel
 from autopar.passes.tensor_parallel import apply_tensor_parallel, tp_plan_disagreements
-from autopar.runtime import comms
 
 from .base import Parallelism
 

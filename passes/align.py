@@ -11,7 +11,7 @@ on what crosses a boundary. torchrun and cluster launchers give every process it
 of hashing: its op and constant arguments, its inputs' fingerprints, and for placeholders the
 state or input they stand for (a digest, never Python's ``hash``; process-group names and the
 build-local handles autopar's own ops take read as one word). The build broadcasts global rank
-0's ``[(fingerprint, name)]`` to every rank (one collective, runtime/comms.py): pipeline ranks
+0's ``[(fingerprint, name)]`` to every rank (one collective, collectives/comms.py): pipeline ranks
 must agree on every stage boundary, tensor- and context-parallel ranks on the order of their
 collectives, data-parallel replicas on each stage's parameter order (ZeRO's flat layouts); and
 ``align(captured, reference)``

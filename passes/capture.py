@@ -24,8 +24,8 @@ import torch.nn as nn
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils._pytree import tree_leaves
 
+from autopar.collectives.moe_exchange import entries_of, serving
 from autopar.errors import CaptureError
-from autopar.runtime.moe_exchange import entries_of, serving
 
 from .captured import CapturedGraph
 from .causal_mask import make_causal

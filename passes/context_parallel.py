@@ -119,10 +119,11 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives  # noqa: F401 - registers the collectives' autograd
 import torch.fx as fx
 from torch._guards import detect_fake_mode
+
+from autopar.collectives import comms
 
 from . import op_semantics
 from .captured import CapturedGraph
@@ -1084,10 +1085,8 @@ def _table_of(node: fx.Node, state: set[str], s: int):
 
 
 def _group_name(group, cp: int, cp_rank: int) -> str:
-    if isinstance(group, str):
-        pg = dist.distributed_c10d._resolve_process_group(group)
-    elif isinstance(group, dist.ProcessGroup):
-        pg = group
+    if isinstance(group, str) or comms.is_process_group(group):
+        pg = comms.process_group(group)
     else:
         raise ValueError(f"autopar: the cp group must be a ProcessGroup or a group name, got {type(group).__name__}")
     if pg.size() != cp or pg.rank() != cp_rank:

@@ -78,6 +78,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from autopar.collectives import comms
 from autopar.nn import GroupedExperts, MoE
 
 from . import grouped_experts, hf_moe, moe_dispatch
@@ -132,19 +133,17 @@ class ExpertParallelMoE(MoE):
     def compute_experts(self, buf: torch.Tensor) -> torch.Tensor:
         if self.ep == 1:
             return self.experts(buf)
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         n_experts, cap, d = buf.shape
         ep, n_local = self.ep, self.n_local_experts
         splits = [n_local * cap] * ep  # even: C static slots per expert, whatever the routing
         # buf is expert-major, so rows [j*El*C, (j+1)*El*C) are the slots of rank j's experts
-        recv = all_to_all_single_autograd(buf.reshape(n_experts * cap, d), splits, splits, self.ep_group)
+        recv = comms.all_to_all_autograd(buf.reshape(n_experts * cap, d), splits, splits, self.ep_group)
         # [source rank, local expert, slot, d] -> [local expert, source rank * slot, d]
         x_local = recv.view(ep, n_local, cap, d).transpose(0, 1).reshape(n_local, ep * cap, d)
         y_local = self.experts(x_local)
         # back to [owner rank, local expert, slot, d]: chunk i returns to rank i, its tokens' rows
         send = y_local.view(n_local, ep, cap, d).transpose(0, 1).reshape(n_experts * cap, d)
-        back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
+        back = comms.all_to_all_autograd(send, splits, splits, self.ep_group)
         return back.view(n_experts, cap, d)  # chunk j came from rank j: expert order again
 
     def extra_repr(self) -> str:
@@ -271,20 +270,16 @@ def refused_moe_blocks(model: nn.Module) -> list[tuple[str, str]]:
 def _resolve_group(group, ep: int, ep_rank: int) -> str | None:
     if ep == 1:
         return None
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-    from torch.distributed._functional_collectives import _resolve_group_name
-
-    if not dist.is_available() or not dist.is_initialized():
+    if not comms.initialized():
         raise ValueError(f"autopar: expert parallelism with ep={ep} needs an initialized process group "
                          "(torch.distributed.init_process_group) and the EP group passed as `group`; "
                          "use ep=1 without one")
-    name = _resolve_group_name(dist.group.WORLD if group is None else group)
-    size = c10d._get_group_size_by_name(name)
+    name = comms.group_name(group)
+    size = comms.size_of(name)
     if size != ep:
         raise ValueError(f"autopar: the EP group has {size} ranks but ep={ep}; pass the process group of "
                          f"the {ep} ranks that share the experts (e.g. dist.new_group(ranks) or a DeviceMesh axis)")
-    rank = dist.get_rank(c10d._resolve_process_group(name))
+    rank = comms.rank_in(name)
     if rank != ep_rank:
         raise ValueError(f"autopar: ep_rank={ep_rank} but this process is rank {rank} of the EP group; "
                          f"pass ep_rank=dist.get_rank(group)")
@@ -422,7 +417,7 @@ def dispatch_form(model: nn.Module):
         for experts, (cls, attrs) in reversed(undo):
             # the captured graph's key must keep finding its entry after the capture (the planner
             # traces and times its units later): the module keeps it, where
-            # runtime/moe_exchange.entries_of finds it for serving
+            # collectives/moe_exchange.entries_of finds it for serving
             experts.__dict__["_autopar_dispatch_form"] = experts.__dict__.get("_autopar_dispatch")
             experts.__class__ = cls
             for a in _EP_ATTRS:

@@ -34,6 +34,8 @@ import math
 import torch
 import torch.nn as nn
 
+from autopar.collectives import comms
+
 from .hf_moe import (
     LocalExperts,
     _first_forward,
@@ -101,8 +103,6 @@ class GroupedExpertParallel(LocalExperts):
     Made by ``apply_grouped_expert_parallel``."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-
         x = hidden_states
         E, El, ep = self.ep_experts, self.ep_local, self.ep
         stacked = x.dim() >= 3 and x.shape[0] == E  # [E, C, ...]; else [E * C, ...]
@@ -113,7 +113,7 @@ class GroupedExpertParallel(LocalExperts):
         rest = tuple(x.shape[2:] if stacked else x.shape[1:])
         width = math.prod(rest)
         splits = [El * cap] * ep  # even: every rank sends C rows for each of rank j's El experts
-        recv = all_to_all_single_autograd(x.reshape(E * cap, width), splits, splits, self.ep_group)
+        recv = comms.all_to_all_autograd(x.reshape(E * cap, width), splits, splits, self.ep_group)
         # [source rank, local expert, row, ...] -> [local expert, source rank * row, ...]
         local = recv.view(ep, El, cap, width).transpose(0, 1)
         local = local.reshape((El, ep * cap) + rest if stacked else (El * ep * cap,) + rest)
@@ -127,7 +127,7 @@ class GroupedExpertParallel(LocalExperts):
         out_width = math.prod(out_rest)
         # back to [owner rank, local expert, row, ...]: chunk i returns to rank i, its own rows
         send = y.reshape(El, ep, cap, out_width).transpose(0, 1).reshape(E * cap, out_width)
-        back = all_to_all_single_autograd(send, splits, splits, self.ep_group)
+        back = comms.all_to_all_autograd(send, splits, splits, self.ep_group)
         return back.view((E, cap) + out_rest if y_stacked else (E * cap,) + out_rest)
 
 

@@ -55,11 +55,11 @@ What travels from F to I and W inside the graph is a scalar int64 *handle* (CPU)
 its experts module's key; the dynamic state (received rows, the private graph, splits) lives
 in that module's entry (``ExpertsEntry.states``), removed by W (or by I when no expert parameter
 is trained). The entry belongs to the module (``module._autopar_dispatch``), and the ops find it
-among the entries served where they run (runtime/moe_exchange.py ``serving``: the model's
+among the entries served where they run (collectives/moe_exchange.py ``serving``: the model's
 ParallelModel serves its own around each step), never in a process-wide registry: two models in
 one process never share states or statistics, and a freed model takes its entries with it. The
 execution (count exchange, all-to-alls, buffers, the private graph, statistics) is
-runtime/moe_exchange.py; this module defines the graph ops, their autograd formula and fake
+collectives/moe_exchange.py; this module defines the graph ops, their autograd formula and fake
 kernels, the experts' registration, and what the planner reads of the ops (``routed_info``,
 ``dispatch_flops``). The state's bytes are what the planner prices per routed row.
 
@@ -75,8 +75,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
-from autopar.runtime import moe_exchange as ex
-from autopar.runtime.moe_exchange import ExpertsEntry
+from autopar.collectives import moe_exchange as ex
+from autopar.collectives.moe_exchange import ExpertsEntry
 
 log = logging.getLogger("autopar")
 

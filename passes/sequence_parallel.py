@@ -38,11 +38,10 @@ import logging
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from autopar.runtime import comms
+from autopar.collectives import comms
 
 from .captured import CapturedGraph
 from .tensor_parallel import (
@@ -68,14 +67,6 @@ COPY = torch.ops.autopar.tp_copy.default
 # -- the collectives ------------------------------------------------------------------------------------------------
 
 
-def _pg(group: str):
-    return dist.distributed_c10d._resolve_process_group(group)
-
-
-def _gather(x: torch.Tensor, group: str, dim: int) -> torch.Tensor:
-    return comms.all_gather_dim0(x.movedim(dim, 0).contiguous(), _pg(group)).movedim(0, dim).contiguous()
-
-
 def _block_shape(x: torch.Tensor, dim: int, tp: int, scale) -> list[int]:
     shape = list(x.shape)
     shape[dim] = scale(shape[dim], tp)
@@ -86,24 +77,21 @@ def _block_shape(x: torch.Tensor, dim: int, tp: int, scale) -> list[int]:
 def sp_all_gather(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
     """Forward: every rank's block along ``dim``, concatenated (a column's input); backward: the
     reduce-scatter of the gradient (each rank's holds its heads' part for every token)."""
-    return _gather(x, group, dim)
+    return comms.gathered_along(x, group, dim)
 
 
 @torch.library.custom_op("autopar::sp_reduce_scatter", mutates_args=())
 def sp_reduce_scatter(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
     """Forward: this rank's block along ``dim`` of the sum over tp (a row's partial sums);
     backward: the all-gather of the gradient."""
-    full = x.movedim(dim, 0).contiguous()
-    out = torch.empty((full.shape[0] // tp, *full.shape[1:]), dtype=x.dtype, device=x.device)
-    comms.reduce_scatter_sum(out, full, group=_pg(group))
-    return out.movedim(0, dim).contiguous()
+    return comms.scattered_sum_along(x, group, dim)
 
 
 @torch.library.custom_op("autopar::sp_gather", mutates_args=())
 def sp_gather(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
     """Forward: the whole value from every rank's block (read by replicated ops); backward: the
     rank's block of the gradient (every rank computes the same one)."""
-    return _gather(x, group, dim)
+    return comms.gathered_along(x, group, dim)
 
 
 @torch.library.custom_op("autopar::sp_split", mutates_args=())
@@ -111,7 +99,7 @@ def sp_split(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
     """Forward: this rank's block along ``dim`` of a replicated value; backward: the all-gather of
     the gradient."""
     n = x.shape[dim] // tp
-    return x.narrow(dim, dist.get_rank(_pg(group)) * n, n).clone(memory_format=torch.contiguous_format)
+    return x.narrow(dim, comms.rank_in(group) * n, n).clone(memory_format=torch.contiguous_format)
 
 
 for _op_, _scale in ((sp_all_gather, int.__mul__), (sp_gather, int.__mul__), (sp_reduce_scatter, int.__floordiv__),

@@ -35,11 +35,11 @@ import operator
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from autopar import linear_ce
+from autopar.collectives import comms
 
 from . import op_semantics
 from .captured import CapturedGraph
@@ -53,16 +53,10 @@ aten = torch.ops.aten
 # -- the collectives (differentiable graph ops) ---------------------------------------------------------------------
 
 
-def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=dist.distributed_c10d._resolve_process_group(group))
-    return out
-
-
 @torch.library.custom_op("autopar::tp_reduce", mutates_args=())
 def tp_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """Forward: the sum over the tp group (a row linear's partial products); backward: identity."""
-    return _all_reduce(x, group)
+    return comms.summed(x, group)
 
 
 @tp_reduce.register_fake
@@ -101,8 +95,7 @@ def _vocab_ce(logits: torch.Tensor, target: torch.Tensor, group: str, start: int
     are reduced over the tp group in fp32 (``linear_ce.sharded_lse``), so the logits are never
     gathered."""
     valid, col, hit = linear_ce.target_columns(logits, target, ignore_index, start)
-    lse, picked, _p, _total = linear_ce.sharded_lse(logits.float(), col, hit,
-                                                     dist.distributed_c10d._resolve_process_group(group))
+    lse, picked, _p, _total = linear_ce.sharded_lse(logits.float(), col, hit, group)
     per = torch.where(valid, lse - picked, 0.0)
     loss = per if reduction == 0 else per.sum() if reduction == 2 else per.sum() / valid.sum()
     return loss.to(logits.dtype), lse

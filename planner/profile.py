@@ -48,12 +48,12 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 
+from autopar.collectives import moe_exchange
 from autopar.passes.context_parallel import grouped_kv_heads, kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import value_bytes
 from autopar.passes.costs import view_base as _base
 from autopar.passes.zero_layout import ParamSpec, ns_flops
-from autopar.runtime import moe_exchange
 
 log = logging.getLogger("autopar")
 
@@ -650,7 +650,7 @@ class _UnitTimer:
     are timed together, round-robin (a warm-up round, then up to ``rounds`` rounds within about
     ``budget_s``, at least 3), so a drift in the machine's speed hits every unit alike; the
     median per program is kept. One intra-op thread, as each runtime process runs. ``entries``:
-    the model's MoE experts entries, served while the programs run (runtime/moe_exchange.py)."""
+    the model's MoE experts entries, served while the programs run (collectives/moe_exchange.py)."""
 
     def __init__(self, state: dict, data: dict, entries: dict | None = None, rounds: int = 15,
                  budget_s: float = 1.0, compiled: bool = False):
@@ -961,7 +961,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     say(f"captured {name} in {capture_s:.1f} s: {captured.summary()}")
 
     # the dispatch ops of the capture find their experts modules' entries while the units are
-    # traced, priced and timed (runtime/moe_exchange.py)
+    # traced, priced and timed (collectives/moe_exchange.py)
     entries = {**moe_exchange.entries_of(model), **moe_exchange.entries_of(fmodel)}
     with moe_exchange.serving(entries):
         if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops

@@ -3,7 +3,7 @@
 Mesh (runtime/mesh.py): global rank = replica * pp + pp_rank (the ranks of one pipeline
 replica are contiguous; a replica is one (dp, cp) pair). Activations and gradients move by
 isend/irecv on one two-rank group per direction, matched in posting order as NCCL matches
-them (tags 0; runtime/comms.py); a receive is posted where the lowered schedule puts its RECV and waited
+them (tags 0; collectives/comms.py); a receive is posted where the lowered schedule puts its RECV and waited
 on just before the compute that reads it;
 a sent tensor is dropped as soon as the schedule proves its receiver has it (runtime/send_release.py:
 at the first later message from that receiver), so what a rank holds of its sends is bounded
@@ -20,13 +20,14 @@ from datetime import timedelta
 
 import torch
 
+from autopar.collectives import comms
 from autopar.passes import keys
 from autopar.passes.program import StageInfo, StageProgram
 from autopar.schedules.ir import forward_only
 from autopar.schedules.lower import lower
 from autopar.schedules.nccl import check_nccl, prefetched
 
-from . import boundary, comms
+from . import boundary
 from .actions import interpret
 from .boundary import input_wires
 from .codegen import compile_step, generate_source
@@ -296,7 +297,7 @@ class DistributedPipeline:
 
     def _tags(self, send_stage: int, k: int, backward: bool, n: int) -> list[int]:
         """The tags of a message's ``n`` tensors: 0 (matched by order, as NCCL does), or with
-        ``AUTOPAR_P2P_TAGS=1`` each its own (runtime/comms.py)."""
+        ``AUTOPAR_P2P_TAGS=1`` each its own (collectives/comms.py)."""
         if not self._tagged:
             return [0] * n
         return [comms.p2p_tag(send_stage, k, backward, i, self._m) for i in range(n)]

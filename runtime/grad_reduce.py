@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from . import comms
+from autopar.collectives import comms
 
 
 class BucketedReducer:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-from . import comms
+from autopar.collectives import comms
 
 
 @dataclass

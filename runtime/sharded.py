@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.collectives import comms
 from autopar.passes.zero_layout import ZeroLayout, shard_matrices, whole_matrices
 
-from . import comms
 from .optim import WrappedOptimizer
 
 

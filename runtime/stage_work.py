@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from autopar.collectives.moe_exchange import fused_backward
 from autopar.passes import keys
 from autopar.passes.program import StageProgram
 
 from .execute import run, run_paired, start
-from .moe_exchange import fused_backward
 
 
 class ParamGrads:

@@ -9,7 +9,7 @@ after a stand-in copy with ``wait`` on the side stream's event. No ``record_stre
 transfer reads or writes stays referenced by its handle until ``wait`` ran (sends: until the
 end of the step), so the caching allocator cannot hand its memory to another kernel while
 the transfer may still touch it (NCCL is told the same with
-``TORCH_NCCL_AVOID_RECORD_STREAMS=1``, set in runtime/comms.py before any process group
+``TORCH_NCCL_AVOID_RECORD_STREAMS=1``, set in collectives/comms.py before any process group
 exists).
 
 On CPU (gloo) there is no stream: ``launch`` is a no-op and gloo's asynchronous work handles

@@ -21,9 +21,9 @@ import math
 
 import torch
 
+from autopar.collectives import comms
 from autopar.passes.zero_layout import flat_offsets, shard_matrices, whole_matrices
 
-from . import comms
 from .optim import WrappedOptimizer
 
 

@@ -8,7 +8,7 @@ small messages):
 1. **Channels.** A message travels on a communicator. ``"pair"``: one for each unordered pair of
    ranks, both directions sharing it (NCCL's point-to-point inside one process group).
    ``"direction"``: one for each ordered pair, a sender's sends on one and its receives from the
-   same peer on another (what the runtime uses: ``runtime/comms.P2PChannels``).
+   same peer on another (what the runtime uses: ``collectives/comms.P2PChannels``).
 2. **Order, not tags.** On a channel, the k-th send from rank a to rank b matches the k-th
    receive on b from a, whatever their tags. A pair whose send order and receive order differ
    is an error naming both ranks and both actions (under NCCL the receive would get another

@@ -42,7 +42,7 @@ def _clean_run(rank, world, fn, args, reuse):
     destroyed after it."""
     import torch.distributed as dist
 
-    from autopar.runtime import comms
+    from autopar.collectives import comms
 
     passes, sb = importlib.import_module("autopar.passes"), importlib.import_module("autopar.passes.split_backward")
     if "capture" in _ORIGINAL:

@@ -172,7 +172,7 @@ def _save_checked(pm, path):
     import torch
 
     from autopar import checkpoint
-    from autopar.runtime import comms
+    from autopar.collectives import comms
 
     live = _live_storages(pm)
     calls, resolved = [], []

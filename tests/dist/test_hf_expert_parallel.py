@@ -300,7 +300,7 @@ def _train_all(rank, world, names):
         try:
             case = make_case(name)
             # the pipelined world (dualpipev) posts its receives where the lowered program puts
-            # them, as on GPUs (issue 48 N1; P2P tags are 0 everywhere: runtime/comms.py); the
+            # them, as on GPUs (issue 48 N1; P2P tags are 0 everywhere: collectives/comms.py); the
             # switch is read when the pipeline is built
             os.environ["AUTOPAR_P2P_PREFETCH"] = "0" if world == 4 else ""
             try:

@@ -1,5 +1,5 @@
 """Issue 48, N1: pipeline P2P as NCCL runs it, on gloo. Every P2P tag is 0 (the runtime's
-default, runtime/comms.py: gloo then matches each channel's messages first-in, first-out, as
+default, collectives/comms.py: gloo then matches each channel's messages first-in, first-out, as
 NCCL matches them by order), one channel per direction of a pair of ranks, and receives posted
 where the lowered program puts them (``AUTOPAR_P2P_PREFETCH=0``, as on GPUs). HF Llama trains
 exactly against eager under every schedule at pp=2, under zbv, dualpipev and interleaved-1f1b
@@ -29,7 +29,7 @@ def _train(rank, world, plans):
     import traceback
 
     import autopar
-    from autopar.runtime import comms
+    from autopar.collectives import comms
     from tests.dist.harness import reuse_captures
     from tests.hf_models import make_hf
 

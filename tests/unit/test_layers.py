@@ -6,24 +6,20 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PACKAGES = ("schedules", "passes", "runtime", "parallel", "planner")
+PACKAGES = ("schedules", "collectives", "passes", "runtime", "parallel", "planner")
 
 # bottom (pure: graphs, schedules, data) to top (the orchestrator); top-level autopar modules by name
 LAYERS = {
-    "schedules": 0, "autopar.errors": 0, "autopar.linear_ce": 0,
+    "schedules": 0, "collectives": 0, "autopar.errors": 0, "autopar.linear_ce": 0,  # collectives: what graph ops run
     "passes": 1, "autopar.nn": 1, "autopar.plan": 1,          # graph -> graph; the plan as data
-    "runtime": 2,                                              # execution, every collective
+    "runtime": 2,                                              # execution
     "parallel": 3, "autopar.muon": 3,                          # one owner per parallelism
     "planner": 4, "autopar.data": 4, "autopar.examples": 4,    # cost model and search
 }
 ORCHESTRATOR = 5  # every other top-level module: api, build, checkpoint, state, cli, demo, ...
 
-# (importing file, imported unit) -> why it is still there
-KNOWN = {
-    ("passes/capture.py", "runtime"): "the MoE experts entries are served while tracing (runtime/moe_exchange)",
-    ("passes/moe_dispatch.py", "runtime"): "the dispatch ops' eager kernels run the exchange (runtime/moe_exchange)",
-    ("passes/sequence_parallel.py", "runtime"): "the sequence-parallel ops' eager kernels call runtime/comms",
-}
+# (importing file, imported unit) -> why it is still there (none now: keep it that way)
+KNOWN: dict = {}
 
 
 def _unit(module: str) -> str:
@@ -74,6 +70,23 @@ def test_imports_go_down_the_layers():
     assert set(KNOWN) - up == set(), f"no longer imported, drop from KNOWN: {sorted(set(KNOWN) - up)}"
 
 
+def test_process_groups_only_in_collectives():
+    """Passes and schedules never call torch.distributed: the ops they put in graphs run their
+    collectives through autopar.collectives (the in-graph functional collectives are graph ops:
+    importing their module for its autograd registration is allowed)."""
+    allowed = {"torch.distributed._functional_collectives"}
+    bad = []
+    for p in ("schedules", "passes"):
+        for f in sorted(os.listdir(os.path.join(ROOT, p))):
+            if not f.endswith(".py"):
+                continue
+            for node in ast.walk(ast.parse(open(os.path.join(ROOT, p, f)).read())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                bad += [f"{p}/{f}: {n}" for n in names if n.startswith("torch.distributed") and n not in allowed]
+    assert bad == []
+
+
 def test_a_pass_importing_the_runtime_fails(tmp_path):
     """The check on a copy of the tree in which one more pass imports the runtime."""
     import shutil
@@ -81,5 +94,5 @@ def test_a_pass_importing_the_runtime_fails(tmp_path):
     for p in PACKAGES + ("autopar",):
         shutil.copytree(os.path.join(ROOT, p), tmp_path / p, ignore=shutil.ignore_patterns("__pycache__"))
     with open(tmp_path / "passes" / "split_stages.py", "a") as fh:
-        fh.write("\n\ndef _late():\n    from autopar.runtime import comms  # noqa\n    return comms\n")
+        fh.write("\n\ndef _late():\n    from autopar.runtime import execute  # noqa\n    return execute\n")
     assert upward(str(tmp_path)) - set(KNOWN) == {("passes/split_stages.py", "runtime")}

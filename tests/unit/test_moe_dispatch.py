@@ -10,9 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.collectives import moe_exchange
 from autopar.nn import MoE
 from autopar.passes import moe_dispatch
-from autopar.runtime import moe_exchange
 from tests.reference import PlainMoE, plain_moe
 
 

@@ -163,7 +163,7 @@ def entry(key: int) -> ExpertsEntry:
     if spec is None:
         raise RuntimeError(f"autopar: MoE dispatch key {key}: no running model serves its experts module here. The "
                            "dispatch ops run inside their model's ParallelModel step, the experts module's own "
-                           "forward, or runtime.moe_exchange.serving(entries_of(model)) for a graph run by hand")
+                           "forward, or collectives.moe_exchange.serving(entries_of(model)) for a graph run by hand")
     return spec
 
 

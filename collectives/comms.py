@@ -97,6 +97,67 @@ def all_gather_dim0(tensor: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
+def process_group(group):
+    """The ``ProcessGroup`` of a group name (what graph ops carry), or ``group`` itself."""
+    return dist.distributed_c10d._resolve_process_group(group) if isinstance(group, str) else group
+
+
+def is_process_group(group) -> bool:
+    return isinstance(group, dist.ProcessGroup)
+
+
+def group_name(group) -> str:
+    """The name graph ops carry of a ``ProcessGroup`` (the world's for None) or a group name."""
+    from torch.distributed._functional_collectives import _resolve_group_name
+
+    return _resolve_group_name(dist.group.WORLD if group is None else group)
+
+
+def rank_in(group) -> int:
+    """This process's rank in ``group`` (a name or a ``ProcessGroup``)."""
+    return dist.get_rank(process_group(group))
+
+
+def size_of(group) -> int:
+    return dist.get_world_size(process_group(group))
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def all_reduce_max(tensor: torch.Tensor, group=None) -> None:
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=process_group(group))
+
+
+def summed(x: torch.Tensor, group) -> torch.Tensor:
+    """A new tensor: the sum over ``group`` of every member's ``x`` (a row linear's partials)."""
+    out = x.contiguous().clone()
+    all_reduce_sum(out, group=process_group(group))
+    return out
+
+
+def gathered_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Every member's ``x`` concatenated along ``dim``, in group rank order."""
+    return all_gather_dim0(x.movedim(dim, 0).contiguous(), process_group(group)).movedim(0, dim).contiguous()
+
+
+def scattered_sum_along(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """This member's block along ``dim`` (block r of the group's size) of the sum over ``group``."""
+    pg = process_group(group)
+    full = x.movedim(dim, 0).contiguous()
+    out = torch.empty((full.shape[0] // dist.get_world_size(pg), *full.shape[1:]), dtype=x.dtype, device=x.device)
+    reduce_scatter_sum(out, full, group=pg)
+    return out.movedim(0, dim).contiguous()
+
+
+def all_to_all_autograd(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """The differentiable uneven all-to-all of dim 0 (a functional collective: traceable)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+    return all_to_all_single_autograd(x, out_splits, in_splits, group)
+
+
 def broadcast_object(obj, src: int = 0, group=None):
     """``obj`` of global rank ``src`` on every rank of ``group`` (pickled)."""
     box = [obj]
