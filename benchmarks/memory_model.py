@@ -201,7 +201,7 @@ def profile_and_price(mk: dict, specs: list[dict], say=print, profile_batch: int
     for mp, moe in sorted({(bool(s.get("bf16")), s.get("ep", 1) > 1) for s in specs}):
         model, (idx,), target, loss_fn = make_model(mk, moe)
         t0 = time.perf_counter()
-        if moe:  # the EP row's dropless MoE: the planner prices its dispatch ops (planner.profile._routed_of)
+        if moe:  # the EP row's dropless MoE: the planner prices its dispatch ops (planner.routed.routed_of)
             prof = profile_model(model, (idx[:b0],), target[:b0], loss_fn, name="moe",
                                  expert_prefixes=(".experts.",), n_experts=MOE_EXPERTS)
             what = (f"llama with dropless MoE ({MOE_EXPERTS} experts, top {MOE_TOP_K}, hidden "

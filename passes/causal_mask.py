@@ -30,7 +30,7 @@ import math
 import torch
 import torch.fx as fx
 
-from .context_parallel import _ARANGE, _arg, _set_arg
+from .cp_rules import _ARANGE, _arg, _set_arg
 
 aten = torch.ops.aten
 _SDPA = (aten.scaled_dot_product_attention.default,)

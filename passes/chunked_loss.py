@@ -40,7 +40,7 @@ from torch._guards import detect_fake_mode
 from autopar import linear_ce
 
 from .costs import annotate_costs, graph_flops, node_time
-from .tensor_parallel import VOCAB_CE
+from .tp_ops import VOCAB_CE
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten

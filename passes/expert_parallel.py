@@ -390,7 +390,7 @@ def dispatch_form(model: nn.Module):
     passes/hf_moe.py) runs as its expert-parallel form at ep = 1: one ``autopar::moe_dispatch``
     op over all its experts, with no group (no communication), the module's own code on the
     routed rows. So a user's MoE model is captured with the dispatch op the runtime runs under
-    EP, and the planner prices it from that op (planner/profile.py ``_routed_of``) exactly as
+    EP, and the planner prices it from that op (planner/routed.py ``routed_of``) exactly as
     the presets and ``autopar.nn.MoE(capacity_factor=None)``. The module's class and attributes
     are restored on exit (its dispatch registration stays, owned by the module as
     ``_autopar_dispatch_form``: the captured graph reads the key). At ep = 1 the runtime

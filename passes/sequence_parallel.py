@@ -44,24 +44,12 @@ from torch._guards import detect_fake_mode
 from autopar.collectives import comms
 
 from .captured import CapturedGraph
-from .tensor_parallel import (
-    REDUCE,
-    _NoRule,
-    _rule,
-    _tensor_args,
-    _val,
-    _where,
-    graded,
-    is_elementwise,
-    localize,
-    new_node,
-    refresh_val,
-    replicated_reads,
-)
+from .tensor_parallel import graded, localize, new_node, refresh_val
+from .tp_ops import COPY, REDUCE
+from .tp_rules import _NoRule, _rule, _tensor_args, _val, _where, is_elementwise, replicated_reads
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
-COPY = torch.ops.autopar.tp_copy.default
 
 
 # -- the collectives ------------------------------------------------------------------------------------------------

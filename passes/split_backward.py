@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import keys, moe_dispatch, sequence_parallel, tensor_parallel
+from . import keys, moe_dispatch, sequence_parallel, tp_ops, tp_rules
 from .costs import annotate_costs, graph_flops, is_random, is_view, value_bytes
 from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
@@ -135,7 +135,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         _recompute_cheap(joint, fwd_set, {n for n in j_phs if keys.is_state(names[n])})
     # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
-    reduces = [n for n in joint.graph.nodes if (n.target is tensor_parallel.REDUCE or n.target in
+    reduces = [n for n in joint.graph.nodes if (n.target is tp_ops.REDUCE or n.target in
                                                 sequence_parallel.COLLECTIVES) and n not in fwd_set]
     gin_anc = _ancestors(gin_nodes + reduces, stop=kept)
     gpar_anc = _ancestors(gpar_nodes, stop=kept)
@@ -339,7 +339,7 @@ _CASTS = frozenset({aten._to_copy.default})
 
 
 def _cheap(n: fx.Node, fwd_set: set[fx.Node]) -> bool:
-    return (n in fwd_set and (tensor_parallel.is_elementwise(n) or n.target in _CASTS)
+    return (n in fwd_set and (tp_rules.is_elementwise(n) or n.target in _CASTS)
             and n.target.namespace == "aten" and not is_random(n) and isinstance(n.meta.get("val"), torch.Tensor))
 
 

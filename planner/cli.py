@@ -184,7 +184,7 @@ def _run(args, say) -> int:
         if bad:
             raise ValueError(f"--schedules: unknown {bad}; known: {', '.join(sched_names())}")
     from . import plan_model
-    from .search import parse_pin
+    from .request import parse_pin
 
     pin = parse_pin(args.pin) if args.pin else None
 

@@ -20,7 +20,7 @@ The MoE presets are built dropless (``autopar.nn.MoE(capacity_factor=None)``), a
 and GLM-5 train: each MoE block's experts are one ``autopar::moe_dispatch`` op in the captured
 graph (a fake kernel, no communication at capture) that computes every (token, choice)
 assignment, ``top_k`` SwiGLU experts of width ``expert_hidden`` per token. The planner prices it
-from that op (``planner.profile._routed_of``, the same path as a user's dropless model): the
+from that op (``planner.routed.routed_of``, the same path as a user's dropless model): the
 token-proportional all-to-alls of the ``tokens * top_k`` routed rows, the experts' FLOPs on
 them, and the rows' saved bytes from F until W, at the worst rank's ``--moe-imbalance`` share
 (planner/estimate.py). ``PresetModel.moe`` describes that config; the profile checks the capture

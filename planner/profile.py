@@ -13,7 +13,7 @@ microbatch of b samples costs b/batch0 times the captured one):
 * F/I/W programs as node lists (FLOPs, bytes moved, dtype, whether it is a pure view) so a
   device profile turns them into times (``UnitKind.times``); for a model on real CPU tensors
   priced on the measured ``cpu`` profile, the programs themselves are timed on this machine
-  at two microbatch sizes instead (``_UnitTimer``; costs one more capture, on first use);
+  at two microbatch sizes instead (``UnitTimer``; costs one more capture, on first use);
 * saved activations: distinct storages the F program keeps for I and W (views of parameters
   and aliases of one another counted once), including the unit's input activations when I or
   W read them (the runtime keeps them in the microbatch's env after F, like a saved value),
@@ -49,152 +49,18 @@ import torch
 import torch.fx as fx
 
 from autopar.collectives import moe_exchange
-from autopar.passes.context_parallel import grouped_kv_heads, kv_repeats
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import value_bytes
 from autopar.passes.costs import view_base as _base
+from autopar.passes.cp_rules import grouped_kv_heads, kv_repeats
 from autopar.passes.zero_layout import ParamSpec, ns_flops
 
+from .programs import Program, is_attention_fwd, live_set, program_of, storage_bytes, units_of
+from .routed import RoutedInfo, check_moe, routed_of
+from .tp_share import TP_EFFICIENCY, TP_WORTH, TpShare, with_tp_shares
+from .unit_timer import UnitTimer
+
 log = logging.getLogger("autopar")
-
-_ATTENTION = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-              "_scaled_dot_product_cudnn_attention", "scaled_dot_product_attention",
-              "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _is_attention_fwd(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target._opname in _ATTENTION
-
-
-@dataclass(frozen=True)
-class Program:
-    """One program's nodes as the cost model sees them (per captured microbatch)."""
-
-    flops: tuple[float, ...]
-    bytes_moved: tuple[float, ...]
-    dtypes: tuple[str, ...]
-    views: tuple[bool, ...]
-
-    @property
-    def total_flops(self) -> float:
-        return float(sum(self.flops))
-
-    def time(self, device, scale: float) -> float:
-        """Seconds on ``device`` when the work is ``scale`` times the captured microbatch's.
-
-        Every node costs ``op_overhead_s`` plus max(compute, memory traffic); both terms scale
-        with the work, so a program is ``const + scale * slope`` (computed once per device).
-        """
-        const, slope = self._linear(device)
-        return const + scale * slope
-
-    def _linear(self, device) -> tuple[float, float]:
-        cache = self.__dict__.setdefault("_by_device", {})
-        key = (device.name, device.op_overhead_s, device.mem_bandwidth, device.mem_efficiency,
-               device.flops_efficiency, tuple(sorted(device.peak_flops.items())))
-        hit = cache.get(key)
-        if hit is None:
-            rates = {dt: device.flops_rate(dt) for dt in set(self.dtypes)}
-            bw = device.mem_bandwidth * device.mem_efficiency
-            slope = sum(max(f / rates[dt], b / bw) for f, b, dt, v in
-                        zip(self.flops, self.bytes_moved, self.dtypes, self.views) if not v)
-            hit = cache[key] = (device.op_overhead_s * len(self.flops), slope)
-        return hit
-
-
-def _float_val(node: fx.Node):
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    return next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
-
-
-def _dispatch_bytes_and_dtype(n: fx.Node, flops: float) -> tuple[float, str]:
-    """A dropless MoE dispatch op's (``moe_dispatch.is_dispatch_node``) memory traffic and
-    compute dtype. Its parameter list is an argument of several ops of the chain (for autograd
-    and the private graph), but the experts' weights are read once per program, by the op that
-    computes with them (the one carrying FLOPs: the forward's GEMMs, W's gradient GEMMs, whose
-    outputs are the gradients); the other ops move rows and handles (scalar int64 results), so
-    the dtype is the rows': the first floating value upstream."""
-    lists = {id(a) for x in n.args if isinstance(x, (list, tuple)) for a in x if isinstance(a, fx.Node)}
-    moved = float(n.meta.get("autopar_bytes", 0))
-    moved += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes if id(a) not in lists or flops)
-    seen, todo = set(), [n]
-    while todo:
-        m = todo.pop(0)
-        val = _float_val(m)
-        if val is not None:
-            return moved, str(val.dtype).replace("torch.", "")
-        for a in m.all_input_nodes:
-            if a not in seen:
-                seen.add(a)
-                todo.append(a)
-    return moved, "float32"
-
-
-def _program(gm: fx.GraphModule) -> Program:
-    from autopar.passes.moe_dispatch import is_dispatch_node
-
-    flops, moved, dtypes, views = [], [], [], []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if is_dispatch_node(n):
-            f = float(n.meta.get("autopar_flops", 0))
-            b, dt = _dispatch_bytes_and_dtype(n, f)
-            flops.append(f)
-            moved.append(b)
-            dtypes.append(dt)
-            views.append(False)
-            continue
-        out = n.meta.get("autopar_bytes", 0)
-        ins = sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes)
-        val = n.meta.get("val")
-        if isinstance(val, (tuple, list)):
-            val = next((v for v in val if isinstance(v, torch.Tensor)), None)
-        dt = str(val.dtype).replace("torch.", "") if isinstance(val, torch.Tensor) else "float32"
-        flops.append(float(n.meta.get("autopar_flops", 0)))
-        moved.append(float(out + ins))
-        dtypes.append(dt)
-        views.append(_is_view(n))
-    return Program(tuple(flops), tuple(moved), tuple(dtypes), tuple(views))
-
-
-TP_DEGREES = (2, 4, 8)  # the tensor-parallel degrees the planner searches (within one node)
-TP_WORTH = 0.25         # the least share of parameters tp must shard to be searched (shards_at) ...
-TP_EFFICIENCY = 2 / 3   # ... or the least share of each GPU's time it can keep useful
-
-
-@dataclass(frozen=True)
-class TpShare:
-    """What tensor parallelism at degree ``tp`` shards of one unit (passes/tensor_parallel.analyze
-    on the capture), per captured microbatch: the share of its forward's time in sharded ops
-    (``flops``, by a roofline weight per op, ``_op_weight``; their time divides by tp, in F, I and
-    W alike), the
-    parameter elements and bytes sharded, the share of its forward's value bytes that are sharded
-    (saved activations and working sets shrink by it), and the all-reduces one forward runs
-    (the row linears' sums; the backward runs as many, in I)."""
-
-    tp: int
-    flops: float
-    params: int
-    param_bytes: int
-    activations: float
-    reduces: int
-    reduce_bytes: float
-    attention: bool                 # its attention is sharded by heads (Ulysses' volume per rank / tp)
-    sharded: tuple[tuple[str, int], ...] = ()  # (parameter FQN relative to the unit, shard dim)
-    # with sequence parallelism (passes/sequence_parallel.py, which the planner always prices
-    # with tp): the share of the forward's value bytes token-sharded (1/tp each), the row sums
-    # reduce-scattered and the column inputs all-gathered (count, full bytes; the backward runs
-    # the reverse collectives, in I, and all-gathers each column input again for its weight
-    # gradient: F keeps the rank's block, passes/split_backward._regather_column_inputs), the
-    # share of those column inputs (of ``sequence``: whole again from I to W), and the share of
-    # the unit's input and output bytes token-sharded (pipeline boundaries)
-    sequence: float = 0.0
-    scatters: tuple[int, float] = (0, 0.0)
-    gathers: tuple[int, float] = (0, 0.0)
-    boundary: tuple[float, float] = (0.0, 0.0)
-    regathered: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -296,7 +162,7 @@ class UnitKind:
         """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch.
 
         On the measured ``cpu`` profile (this machine) a unit captured on real tensors is
-        priced from its own programs, timed here on first use (``_UnitTimer``: every distinct
+        priced from its own programs, timed here on first use (``UnitTimer``: every distinct
         unit round-robin, median of up to 15 runs, one thread, as the runtime runs them) at the
         captured microbatch and at a second size (half of it, or twice it below 4 samples, from
         a second capture): each program costs the line through both points, a fixed part plus
@@ -342,79 +208,6 @@ class UnitKind:
             hit = self.measure()
             object.__setattr__(self, "_measured", hit)
         return hit
-
-
-@dataclass(frozen=True)
-class RoutedInfo:
-    """A unit's token-proportional (dropless) MoE dispatch, per captured microbatch, read off
-    its ``autopar::moe_dispatch`` ops (``autopar.passes.moe_dispatch.routed_info``: one per MoE
-    block) and summed over them: ``rows`` the mean rows one rank dispatches (N tokens x top_k
-    per block), ``row_bytes`` one dispatched row, ``saved_row_bytes`` what one received row
-    keeps from F until W (the row and the experts' saved activations), ``flops_per_row`` the
-    experts' forward FLOPs per row (rows-weighted means over the unit's blocks, so ``rows x``
-    each of them is the unit's total), ``dtype`` the compute dtype of the rows, ``overlap_f`` /
-    ``overlap_i`` what the all-to-alls can hide behind."""
-
-    rows: float
-    row_bytes: float
-    saved_row_bytes: float
-    flops_per_row: float
-    dtype: str = "bfloat16"
-    # FLOPs of independent work (a shared expert, its input gradients) the F / I programs run
-    # while each of a chain's two all-to-alls is in flight (passes/moe_overlap.py), summed
-    overlap_f: tuple[float, float] = (0.0, 0.0)
-    overlap_i: tuple[float, float] = (0.0, 0.0)
-
-    @property
-    def saved_bytes(self) -> float:
-        """What the mean rank keeps from F until W (received rows and experts' activations)."""
-        return self.rows * self.saved_row_bytes
-
-
-def _routed_of(gm: fx.GraphModule) -> RoutedInfo | None:
-    """The routed rows of every dropless MoE dispatch op in ``gm`` (a unit's F program),
-    summed (None: no dispatch op: a dense unit, or a static-capacity MoE, priced by its expert
-    buffers). The one source for presets and users' models alike: the op's registration
-    measured the experts' own code per row (``moe_dispatch.register_experts``)."""
-    from autopar.passes.moe_dispatch import routed_info
-
-    rows = row_b = saved_b = flops = 0.0
-    hide_f, hide_i = [0.0, 0.0], [0.0, 0.0]
-    dtype = None
-    for n in gm.graph.nodes:
-        info = routed_info(n)
-        if info is None:
-            continue
-        for j in range(2):
-            hide_f[j] += info.overlap_f[j]
-            hide_i[j] += info.overlap_i[j]
-        rows += info.rows
-        row_b += info.rows * info.row_bytes
-        saved_b += info.rows * info.saved_row_bytes
-        flops += info.rows * info.flops_per_row
-        dtype = dtype or str(n.args[0].meta["val"].dtype).replace("torch.", "")
-    if dtype is None:
-        return None
-    if not rows:
-        return RoutedInfo(0.0, 0.0, 0.0, 0.0, dtype)
-    return RoutedInfo(rows=rows, row_bytes=row_b / rows, saved_row_bytes=saved_b / rows, flops_per_row=flops / rows,
-                      dtype=dtype, overlap_f=tuple(hide_f), overlap_i=tuple(hide_i))
-
-
-def _check_moe(moe: dict, kinds: list[UnitKind], tokens: int) -> None:
-    """``moe`` (a preset's dropless MoE config) against what the capture holds: every unit
-    with expert parameters has dispatch ops routing ``tokens x top_k`` rows per MoE block."""
-    k = int(moe["top_k"])
-    for kind in kinds:
-        if not kind.expert_params:
-            continue
-        if kind.routed is None:
-            raise ValueError(f"autopar: profile_model(moe={moe}) expects dropless MoE blocks, but unit {kind.kind} "
-                             "holds expert parameters and no autopar::moe_dispatch op: build its MoE with "
-                             "autopar.nn.MoE(capacity_factor=None), or pass moe=None for a static-capacity MoE")
-        if kind.routed.rows % (tokens * k):
-            raise ValueError(f"autopar: unit {kind.kind} routes {kind.routed.rows:g} rows per microbatch, not a "
-                             f"multiple of tokens x top_k = {tokens} x {k}: moe={moe} does not describe this model")
 
 
 @dataclass(frozen=True)
@@ -491,7 +284,7 @@ class ModelProfile:
         return 1.0 / (tp * (1.0 - s) + s) >= TP_EFFICIENCY or held / params >= TP_WORTH
 
     def retime_units(self, budget_s: float = 0.3) -> list | None:
-        """Time every distinct unit's programs again, now (see ``_UnitTimer``); returns the new
+        """Time every distinct unit's programs again, now (see ``UnitTimer``); returns the new
         measurements without changing the ones the planner prices with (None: not timeable)."""
         if self.unit_timer is None:
             return None
@@ -595,223 +388,6 @@ def _signature(stage) -> tuple:
     return tuple(sig)
 
 
-def _storage_bytes(nodes: Sequence[fx.Node], param_like: set[str]) -> float:
-    """Bytes of the distinct storages behind ``nodes``: views resolve to their base; views of
-    parameters/buffers/constants cost nothing (the state is counted elsewhere)."""
-    bases: dict[str, float] = {}
-    for n in nodes:
-        base = _base(n)
-        if base.op == "placeholder" and base.name in param_like:
-            continue
-        if base.name not in bases:
-            bases[base.name] = float(base.meta.get("autopar_bytes", 0))
-    return sum(bases.values())
-
-
-def _live_set(gm: fx.GraphModule, results: Sequence[str] = (), skip: tuple[str, ...] = ()) -> tuple[float, float]:
-    """(peak, end) of the bytes of live node outputs while running ``gm`` in order, as the
-    generated code frees them: an output lives until the last use of it or of any view of it
-    (a view keeps its base's storage). Inputs (placeholders) are not counted: they are held
-    elsewhere. Returned values whose key in ``results`` starts with one of ``skip`` are left out
-    (with their bases). ``end`` is what is still live when the graph returns."""
-    nodes = list(gm.graph.nodes)
-    out = next(n for n in nodes if n.op == "output")
-    vals = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
-    skipped = set()
-    if skip:
-        skipped = {_base(v) for v, k in zip(vals, results) if isinstance(v, fx.Node) and k.startswith(skip)}
-    base = {n: _base(n) for n in nodes}
-    last = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last[base[a]] = i
-    live, peak, end = 0.0, 0.0, 0.0
-    sizes = {}
-    for i, n in enumerate(nodes):
-        if n is out:
-            end = live
-        if n.op == "call_function" and not _is_view(n) and n not in skipped:
-            sizes[n] = float(n.meta.get("autopar_bytes", 0))
-            live += sizes[n]
-            peak = max(peak, live)
-        for a in n.all_input_nodes:
-            b = base[a]
-            if last.get(b) == i and b in sizes:
-                live -= sizes.pop(b)
-    return peak, end
-
-
-class _UnitTimer:
-    """Times the F, I and W programs of every distinct unit of one profile on real tensors.
-
-    State (parameters, buffers, constants) and data (model inputs, target) are the captured
-    ones; received activations are random tensors of the traced shape and strides (zeros for
-    integer ones), output gradients random tensors (the loss's the scalar scale). All units
-    are timed together, round-robin (a warm-up round, then up to ``rounds`` rounds within about
-    ``budget_s``, at least 3), so a drift in the machine's speed hits every unit alike; the
-    median per program is kept. One intra-op thread, as each runtime process runs. ``entries``:
-    the model's MoE experts entries, served while the programs run (collectives/moe_exchange.py)."""
-
-    def __init__(self, state: dict, data: dict, entries: dict | None = None, rounds: int = 15,
-                 budget_s: float = 1.0, compiled: bool = False):
-        self.state, self.data, self.entries = state, data, dict(entries or {})
-        self.compiled = compiled  # time the programs compiled by Inductor (the warm-up round compiles them)
-        self.rounds, self.budget_s = rounds, budget_s
-        self.units: list[tuple] = []
-        self.result: list[tuple] | None = None
-        self._second = None
-
-    def add(self, sp, stage, loss_chunk: int = 0) -> Callable[[], tuple]:
-        """Register a unit (``loss_chunk``: its loss chunked at that many tokens, the second size
-        too); returns the function that gives its measurement: ((F, I, W) seconds at the captured
-        microbatch, (F, I, W) at the second size or None, second size / first)."""
-        self.units.append((sp, stage, loss_chunk))
-        index = len(self.units) - 1
-        return lambda: self.times(index)
-
-    def times(self, index: int) -> tuple:
-        if self.result is None:
-            self.result = self._measure()
-        return self.result[index]
-
-    def second_batch(self, model, inputs: tuple, target, loss_fn, batch0: int, labels: list,
-                     input_names=None) -> None:
-        """Also time every unit at a second microbatch size (half the captured one, or twice it
-        below 4 samples): the model is captured again at that size when the times are first
-        asked for (only the measured cpu profile asks), and each unit's programs are split out
-        of it at the same position. Two sizes give each program's fixed cost and per-sample
-        cost; if the second capture does not cut into the same units, only the first is used."""
-        b1 = batch0 // 2 if batch0 >= 4 else 2 * batch0
-
-        def resize(x):
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != batch0:
-                return x
-            return x[:b1] if b1 <= batch0 else torch.cat([x] * -(-b1 // batch0))[:b1]
-
-        def build():
-            from autopar.passes import expert_parallel, keys
-            from autopar.passes.capture import capture
-            from autopar.passes.chunked_loss import chunk_stage_loss
-            from autopar.passes.split_backward import split_backward, stage_programs
-
-            ins, tgt = tuple(resize(x) for x in inputs), resize(target)
-            try:
-                with expert_parallel.dispatch_form(model):
-                    cap = capture(model, ins, tgt, loss_fn, input_names)
-                _cuts, labels1, stages = _units_of(cap)
-            except Exception as e:  # noqa: BLE001 - the single-size measurement still stands
-                log.info("autopar: second capture for unit timing failed (%s); timing one microbatch size", e)
-                return None
-            if labels1 != labels:
-                return None
-            wanted = {st.index for _sp, st, _c in self.units}
-            trainable = set(cap.params.values())
-            self.entries.update(moe_exchange.entries_of(model))  # this capture's experts entries, served by _measure
-            with moe_exchange.serving(self.entries):
-                progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted))
-
-            def unit(st, chunk):
-                if not chunk:
-                    return progs[st.index], stages[st.index]
-                requires = {n: True for n in progs[st.index - 1].diff_outputs} if st.index else {}
-                chunked = chunk_stage_loss(stages[st.index], chunk)
-                with moe_exchange.serving(self.entries):
-                    return split_backward(chunked, requires, trainable), chunked
-
-            state = dict(self.state)
-            state.update(keys.state({}, {}, cap.constants))
-            data = dict(zip(cap.inputs, ins))
-            if cap.target is not None:
-                data[cap.target] = tgt
-            return [unit(st, c) for _sp, st, c in self.units], state, data, b1 / batch0
-
-        self._second = build
-
-    def measure_again(self, budget_s: float) -> list[tuple]:
-        if self.result is None:
-            self.result = self._measure()
-        saved = self.budget_s, self.rounds
-        self.budget_s, self.rounds = budget_s, 5
-        try:
-            return self._measure(reuse=True)
-        finally:
-            self.budget_s, self.rounds = saved
-
-    def _env(self, sp, stage, data: dict) -> dict:
-        from autopar.passes import keys
-        from autopar.runtime.stage_work import with_strides
-
-        phs = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
-        out_node = next(n for n in stage.gm.graph.nodes if n.op == "output")
-        out_vals = dict(zip(stage.outputs, out_node.args[0]))
-
-        def fresh(val, contiguous: bool):
-            # what the runtime hands a program: gradients contiguous, activations in their traced
-            # layout (StageWork.put_inputs), a broadcast dim (stride 0) expanded from one slice
-            shape, dt = tuple(val.shape), val.dtype
-            t = torch.randn(shape, dtype=dt) if dt.is_floating_point else torch.zeros(shape, dtype=dt)
-            return t if contiguous else with_strides(t, tuple(val.stride()))
-
-        env = {}
-        for k in set(sp.f.args) | set(sp.i.args) | set(sp.w.args):
-            if keys.is_kind(k, keys.DATA):
-                env[k] = data[keys.name_of(k, keys.DATA)]
-            elif keys.is_kind(k, keys.INPUT):
-                env[k] = fresh(phs[keys.name_of(k, keys.INPUT)], contiguous=False)
-            elif keys.is_kind(k, keys.GRAD):
-                name = keys.name_of(k, keys.GRAD)
-                env[k] = torch.tensor(1.0) if name == keys.LOSS else fresh(out_vals[name].meta["val"], contiguous=True)
-        return env
-
-    def _measure(self, reuse: bool = False) -> list[tuple]:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            if not reuse or not hasattr(self, "_second_built"):
-                self._second_built = self._second() if self._second is not None else None
-            with moe_exchange.serving(self.entries):  # the model's experts entries, both captures'
-                return self._time(self._second_built)
-        finally:
-            torch.set_num_threads(threads)
-
-    def _time(self, second) -> list[tuple]:
-        from autopar.runtime.execute import run
-
-        jobs = [(sp, stage, self.state, self.data) for sp, stage, _c in self.units]
-        if second is not None:
-            units1, state1, data1, ratio = second
-            jobs += [(sp, stage, state1, data1) for sp, stage in units1]
-        if self.compiled:
-            from autopar.runtime.compiled import compiled_programs
-
-            log.info("autopar planner: timing %d unit(s) compiled by Inductor: each F, I and W compiles once, in "
-                     "the untimed first round (seconds to minutes, cold)", len(jobs))
-            jobs = [(compiled_programs([sp], [0], label=f"unit {j} ")[0], stage, state, data)
-                    for j, (sp, stage, state, data) in enumerate(jobs)]
-        envs = [self._env(sp, stage, data) for sp, stage, _state, data in jobs]
-        samples: list[list[tuple[float, float, float]]] = [[] for _ in jobs]
-        t_end = time.perf_counter() + self.budget_s * (2 if second is not None else 1)
-        for rnd in range(self.rounds + 1):
-            for j, ((sp, _stage, state, _data), env0) in enumerate(zip(jobs, envs)):
-                env = dict(env0)
-                t0 = time.perf_counter()
-                run(sp.f, env, state)
-                t1 = time.perf_counter()
-                run(sp.i, env, state)
-                t2 = time.perf_counter()
-                run(sp.w, env, state)
-                t3 = time.perf_counter()
-                if rnd:  # the first round warms up
-                    samples[j].append((t1 - t0, t2 - t1, t3 - t2))
-            if rnd >= 3 and time.perf_counter() > t_end:
-                break
-        med = [tuple(sorted(x[k] for x in smp)[len(smp) // 2] for k in range(3)) for smp in samples]
-        n = len(self.units)
-        if second is None:
-            return [(m, None, 1.0) for m in med]
-        return [(med[j], med[n + j], ratio) for j in range(n)]
-
-
 def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measure=None,
                routes: dict | None = None) -> UnitKind:
     from autopar.passes import keys
@@ -824,16 +400,16 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     later = set(sp.i.args) | set(sp.w.args) | set(sp.b.args)
     f_phs = [n for n in sp.f.gm.graph.nodes if n.op == "placeholder"]
     kept_inputs = [n for n, k in zip(f_phs, sp.f.args) if keys.is_kind(k, keys.INPUT) and k in later]
-    saved = _storage_bytes(saved_nodes + kept_inputs, f_state)
+    saved = storage_bytes(saved_nodes + kept_inputs, f_state)
     w_phs = [n for n in sp.w.gm.graph.nodes if n.op == "placeholder"]
     w_state = {n.name for n, k in zip(w_phs, sp.w.args) if keys.is_state(k)}
-    after_i = _storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not keys.is_state(k)
+    after_i = storage_bytes([n for n, k in zip(w_phs, sp.w.args) if not keys.is_state(k)
                               and not keys.is_kind(k, keys.GRAD)], w_state)
     from_f = {**dict(zip(sp.f.args, f_phs)), **dict(zip(sp.f.results, f_out.args[0]))}
     # what only W reads of what F kept, by storage: a storage I also reads (through any value
     # viewing it) comes back for I (runtime/offload.py parks and brings back whole storages)
     i_bases = {_base(from_f[k]).name for k in sp.i.args if k in from_f}
-    w_only = _storage_bytes([from_f[k] for k in sp.w.args if k in from_f and k not in sp.i.args
+    w_only = storage_bytes([from_f[k] for k in sp.w.args if k in from_f and k not in sp.i.args
                              and k not in sp.i.results and (keys.is_kind(k, keys.SAVED) or keys.is_kind(k, keys.INPUT))
                              and _base(from_f[k]).name not in i_bases], f_state)
     phs = [n for n in stage.gm.graph.nodes if n.op == "placeholder"]
@@ -859,7 +435,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     for n in stage.gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if _is_attention_fwd(n):
+        if is_attention_fwd(n):
             attn += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes[:3])
             attn += value_bytes(n.meta.get("val") if not isinstance(n.meta.get("val"), tuple) else n.meta["val"][0])
             hk = grouped_kv_heads(n)
@@ -875,9 +451,9 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     # dispatch: the largest expert input buffer of the unit, sent out and combined back once per MoE
     # transient: the backward's intermediates (and input gradients) without the parameter
     # gradients it returns; the forward's rise above what it leaves behind (saved + outputs)
-    b_peak, _ = _live_set(sp.b.gm, sp.b.results, skip=(keys.GPARAM,))
-    f_peak, f_end = _live_set(sp.f.gm, sp.f.results)
-    return UnitKind(kind=label, f=_program(sp.f.gm), i=_program(sp.i.gm), w=_program(sp.w.gm),
+    b_peak, _ = live_set(sp.b.gm, sp.b.results, skip=(keys.GPARAM,))
+    f_peak, f_end = live_set(sp.f.gm, sp.f.results)
+    return UnitKind(kind=label, f=program_of(sp.f.gm), i=program_of(sp.i.gm), w=program_of(sp.w.gm),
                     saved_bytes=saved, saved_after_i=after_i,
                     in_bytes=in_bytes, out_bytes=out_bytes, params=int(params), param_tensors=n_state,
                     small_params=int(small),
@@ -888,28 +464,11 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     **{"muon_" + k: v for k, v in muon.items()})
 
 
-def _units_of(captured):
-    """(cuts, labels, stages): the captured graph cut at every block boundary."""
-    from autopar.passes.split_stages import block_key, crossing_profile, split_stages
-
-    order = [n for n in captured.gm.graph.nodes if n.op in ("call_function", "get_attr")]
-    _, allowed = crossing_profile(order)
-    keys, prev = [], None
-    for node in order:
-        k = block_key(node)
-        prev = prev if k is ... else k
-        keys.append(prev)
-    cuts = [c for c in range(1, len(order)) if allowed[c] and keys[c] != keys[c - 1]]
-    # block keys come from the capture wrapper's module tree ("model.layers.3"): drop its prefix
-    labels = [None if k is None else k.removeprefix("model.") for k in [keys[0]] + [keys[c] for c in cuts]]
-    return cuts, labels, split_stages(captured, len(cuts) + 1, cuts)
-
-
 def attention_heads(gm: torch.fx.GraphModule) -> int:
     """The largest head count cp must divide for every attention (0 without attention): context
     parallelism (Ulysses) shards heads (``context_parallel.cp_heads``: the query heads of a
     grouped-query SDPA, else what its q, k and v heads all divide)."""
-    from autopar.passes.context_parallel import ATTENTION_OPS, cp_heads
+    from autopar.passes.cp_rules import ATTENTION_OPS, cp_heads
 
     heads = 0
     for node in gm.graph.nodes:
@@ -928,13 +487,13 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     ``layer_repeats`` maps a block path of the built model to the number of real layers it
     stands for (presets are built with one block per kind); blocks not named stand for one.
     Units holding dropless MoE blocks (``autopar::moe_dispatch`` ops: ``autopar.nn.MoE(
-    capacity_factor=None)``, the presets' MoE) are priced from those ops (``_routed_of``): their
+    capacity_factor=None)``, the presets' MoE) are priced from those ops (``routed_of``): their
     routed rows set the all-to-all volume and the imbalance terms, and the rows' saved bytes
     (the op's dynamic state, which no saved graph value holds) are added to what the unit keeps
     from F to I and W (``saved_bytes``; ``saved_after_i`` also holds the rows' output gradients
     that I leaves for W), so the estimate holds them per microbatch in flight. ``moe``: a
     preset's dropless MoE config (``PresetModel.moe``), checked against the capture
-    (``_check_moe``); None: no check. ``compile``: plans from this profile run compiled
+    (``check_moe``); None: no check. ``compile``: plans from this profile run compiled
     (``ModelProfile.compiled``); a model on real CPU tensors has its units timed compiled by
     Inductor (the first round compiles each, untimed). Analytic device profiles price the same
     ops either way (fusion is not modelled).
@@ -966,7 +525,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     with moe_exchange.serving(entries):
         if not n_heads:  # e.g. `autopar plan --model pkg:factory`: read them off the attention ops
             n_heads = attention_heads(captured.gm)
-        cuts, labels, stages = _units_of(captured)
+        cuts, labels, stages = units_of(captured)
         routes = route_parameters(captured)  # what autopar.Muon would step (priced under --optimizer muon)
         t1 = time.perf_counter()
         trainable = set(captured.params.values())
@@ -976,7 +535,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         # real CPU tensors (not a fake/meta capture): units can be timed on this machine
         real = fmodel is model and all(t.device.type == "cpu" for t in model.parameters())
         state, data = {}, {}
-        timer = _UnitTimer(state, data, entries, compiled=compile)
+        timer = UnitTimer(state, data, entries, compiled=compile)
         if real:
             timer.second_batch(model, inputs, target, loss_fn, batch0, labels, input_names)
             state.update(keys.state(dict(model.named_parameters(remove_duplicate=False)), dict(model.named_buffers()),
@@ -1002,7 +561,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
             if isinstance(sp, StageProgram):
                 kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
                                         measure=timer.add(sp, st) if real else None, routes=routes)
-                routed = _routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
+                routed = routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
                 if routed is not None:
                     k = kinds[sig]
                     # after I the op also keeps the received rows' output gradients for W (row_bytes a row)
@@ -1011,7 +570,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                                          saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
                                                                                        + routed.row_bytes))
             unit_kinds.append(kinds[sig])
-        unit_kinds = _with_tp_shares(captured, stages, labels, unit_kinds)
+        unit_kinds = with_tp_shares(captured, stages, labels, unit_kinds)
         chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
                                                 timer if real else None)
         if chunked_kind is not None:  # under tp the chunked head shards as the captured one (vocabulary-parallel)
@@ -1019,7 +578,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     trace_s = time.perf_counter() - t1
     say(f"traced {len(kinds)} distinct unit graphs of {len(stages)} units in {trace_s:.1f} s")
     if moe:
-        _check_moe(moe, list(kinds.values()), batch0 * (seq_len or 1))
+        check_moe(moe, list(kinds.values()), batch0 * (seq_len or 1))
 
     repeats = dict(layer_repeats or {})
     units: list[Unit] = []
@@ -1071,97 +630,6 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
         profile.chunked = replace(profile, units=units[:-1] + [replace(last, kind=chunked_kind)],
                                   loss_chunk_tokens=chunk)
     return profile
-
-
-def _with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
-    """The unit kinds with what tensor parallelism shards of them at each searched degree
-    (``TpShare``, from the pass's analysis of the whole capture: a region is sharded or not as
-    the runtime would), read off the last unit of each kind."""
-    from autopar.passes.tensor_parallel import analyze
-
-    analyses = {}
-    for tp in TP_DEGREES:
-        an, _ = analyze(captured, tp)
-        sharded = {n.name for n in an.dims} | {n.name for n in an.rows}  # (columns are in dims: their outputs)
-        dims = {f: sh.dim for f, sh in an.shards(captured.params, tp, 0).items()}
-        # (a vocabulary-parallel embedding sums its output over tp like a row linear)
-        analyses[tp] = (sharded, dims, {n.name for n in an.rows} | {n.name for n in an.vocab},
-                        _sequence_placement(captured, tp))
-    out, done = list(unit_kinds), {}
-    # (the last unit of a kind: the first layer reads the replicated embedding output, which
-    # sequence parallelism cuts only at the layer's first residual add)
-    for k, (st, label, kind) in reversed(list(enumerate(zip(stages, labels, unit_kinds)))):
-        if id(kind) not in done:
-            done[id(kind)] = replace(kind, tp_shares=tuple(
-                sh for tp in TP_DEGREES if (sh := _tp_share(st, label, tp, *analyses[tp])) is not None))
-        out[k] = done[id(kind)]
-    return out
-
-
-# the share of a unit's time in its sharded ops weighs each forward op by a roofline at an
-# H100-like balance (compute at 1e15 FLOP/s, memory at 3e12 B/s, the op reading about as many
-# bytes as it writes): element-wise ops that stay replicated (norms, residuals) cost time too
-_TP_FLOP_RATE, _TP_BANDWIDTH = 1e15, 3e12
-
-
-def _op_weight(n: fx.Node) -> float:
-    return max(n.meta.get("autopar_flops", 0) / _TP_FLOP_RATE, 2 * n.meta.get("autopar_bytes", 0) / _TP_BANDWIDTH)
-
-
-def _sequence_placement(captured, tp: int) -> tuple[set, set, set]:
-    """(the token-sharded values, the column inputs all-gathered, the rows whose sums are
-    reduce-scattered) of the capture's nodes under tensor + sequence parallelism at ``tp``: the
-    passes' own analyses, on the tensor-parallel rewrite of a copy (no process group needed)."""
-    from autopar.passes.sequence_parallel import placement
-    from autopar.passes.tensor_parallel import apply_tensor_parallel
-
-    plan = placement(apply_tensor_parallel(captured, tp, 0, "planner").captured.gm.graph, tp)
-    names = {n.name for n in captured.gm.graph.nodes}
-
-    def captured_name(n) -> str:  # the sum's operand, or the captured node it was made from (an embedding)
-        while n.name not in names:
-            n = n.args[0]
-        return n.name
-
-    gathered = {c.args[0].name for c in plan.gathered}
-    scattered = {captured_name(n.args[0]) for n in plan.seeds}  # (their sums, which readers see, are token-sharded)
-    return {n.name for n in plan.dims} | scattered, gathered, scattered
-
-
-def _tp_share(stage, label, tp: int, sharded: set, dims: dict, rows: set, seq: tuple) -> TpShare | None:
-    nodes = [n for n in stage.gm.graph.nodes if n.op == "call_function" and not _is_view(n)]
-    total = sum(map(_op_weight, nodes))
-    if not total or not any(n.name in sharded or n.name in rows for n in nodes):
-        return None
-    vbytes = sum(n.meta.get("autopar_bytes", 0) for n in nodes) or 1.0
-    vals = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"}
-    phs = [n.name for n in stage.gm.graph.nodes if n.op == "placeholder"][:len(stage.params)]
-    mine = [(fqn, vals[ph]) for ph, fqn in zip(phs, stage.params) if fqn in dims]
-    tokens, gathered, scattered = seq
-    values = {n.name: n.meta.get("val") for n in stage.gm.graph.nodes}
-
-    def token_share(names) -> float:  # of the bytes of the values ``names``, the token-sharded share
-        held = [(n, value_bytes(values.get(n))) for n in names]
-        return sum(b for n, b in held if n in tokens) / (sum(b for _n, b in held) or 1)
-
-    return TpShare(tp=tp, flops=sum(_op_weight(n) for n in nodes if n.name in sharded) / total,
-                   params=sum(v.numel() for _f, v in mine),
-                   param_bytes=sum(v.numel() * v.element_size() for _f, v in mine),
-                   activations=sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in sharded) / vbytes,
-                   reduces=sum(1 for n in nodes if n.name in rows),
-                   reduce_bytes=float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in rows)),
-                   attention=any(_is_attention_fwd(n) and n.name in sharded for n in nodes),
-                   sharded=tuple((fqn[len(label):] if label and fqn.startswith(label + ".") else fqn, dims[fqn])
-                                 for fqn, _v in mine),
-                   sequence=sum(n.meta.get("autopar_bytes", 0) for n in nodes
-                                if n.name in tokens and n.name not in sharded) / vbytes,
-                   regathered=sum(n.meta.get("autopar_bytes", 0) for n in nodes
-                                  if n.name in gathered and n.name not in sharded) / vbytes,
-                   scatters=(sum(1 for n in nodes if n.name in scattered),
-                             float(sum(n.meta.get("autopar_bytes", 0) for n in nodes if n.name in scattered))),
-                   gathers=(sum(1 for n in stage.gm.graph.nodes if n.name in gathered),
-                            float(sum(value_bytes(v) for n, v in values.items() if n in gathered))),
-                   boundary=(token_share(stage.inputs), token_share(stage.outputs)))
 
 
 def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer):

@@ -74,7 +74,8 @@ def _cp_rank(rank, world, cases):
     import torch.distributed as dist
 
     from autopar.passes import capture, keys, split_stages, stage_programs
-    from autopar.passes.context_parallel import ATTENTION_OPS, _arg, apply_context_parallel
+    from autopar.passes.context_parallel import apply_context_parallel
+    from autopar.passes.cp_rules import ATTENTION_OPS, _arg
 
     results = {}
     for name, stage_counts in cases.items():

@@ -171,7 +171,7 @@ def test_kv_repeats_give_each_rank_the_heads_its_queries_read():
     times and the heads are split into cp equal blocks, local query head i of rank r reads local
     key/value head i // (local q heads / local kv heads), and that is head h // (Hq / Hkv) of the
     original grouped-query attention for its global query head h."""
-    from autopar.passes.context_parallel import kv_repeats
+    from autopar.passes.cp_rules import kv_repeats
 
     checked = 0
     for hkv in range(1, 13):
@@ -198,12 +198,8 @@ def test_grouped_query_sdpa_takes_cp_up_to_its_query_heads(fake_group, hq, hkv, 
     """enable_gqa SDPA: cp must divide the query heads only; the rewritten attention reads
     per_rank key/value heads (hand-counted: lcm(Hkv, cp) / cp) over the whole sequence, and the
     planner reads the query heads as the cp limit."""
-    from autopar.passes.context_parallel import (
-        ATTENTION_OPS,
-        apply_context_parallel,
-        context_parallel_blocker,
-        grouped_kv_heads,
-    )
+    from autopar.passes.context_parallel import apply_context_parallel, context_parallel_blocker
+    from autopar.passes.cp_rules import ATTENTION_OPS, grouped_kv_heads
     from autopar.planner.profile import attention_heads
 
     length = 16

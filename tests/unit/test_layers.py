@@ -1,7 +1,8 @@
-"""L1: the packages layer one way (docs/design-notes.md, "Layers"). Every ``autopar`` import in
-the library, at module level or inside a function, goes from a layer to the same or a lower
-one; the few known exceptions are listed with why, and an exception that no longer exists
-fails the test too (so the list only shrinks)."""
+"""The library's structure (docs/design-notes.md, "Layers"): every ``autopar`` import, at module
+level or inside a function, goes from a layer to the same or a lower one (an exception would be
+listed in KNOWN with why, and one that no longer exists fails the test, so the list only
+shrinks); process groups are reached only through autopar.collectives; modules stay under
+MAX_LINES lines or say why."""
 import ast
 import os
 
@@ -96,3 +97,20 @@ def test_a_pass_importing_the_runtime_fails(tmp_path):
     with open(tmp_path / "passes" / "split_stages.py", "a") as fh:
         fh.write("\n\ndef _late():\n    from autopar.runtime import execute  # noqa\n    return execute\n")
     assert upward(str(tmp_path)) - set(KNOWN) == {("passes/split_stages.py", "runtime")}
+
+
+MAX_LINES = 700
+
+
+def test_modules_stay_readable():
+    """L2: no library module over MAX_LINES lines unless its docstring says why
+    ("Why this long: ...")."""
+    long = []
+    for p in PACKAGES + ("autopar", "examples"):
+        for f in sorted(os.listdir(os.path.join(ROOT, p))):
+            if f.endswith(".py"):
+                src = open(os.path.join(ROOT, p, f)).read()
+                doc = ast.get_docstring(ast.parse(src)) or ""
+                if len(src.splitlines()) > MAX_LINES and "Why this long:" not in doc:
+                    long.append(f"{p}/{f}: {len(src.splitlines())} lines")
+    assert long == []

@@ -20,7 +20,8 @@ from autopar.planner.cli import parse_bytes
 from autopar.planner.devices import DeviceProfile, Link, get_profile
 from autopar.planner.estimate import Evaluator, GiB, Layout, Partition
 from autopar.planner.ilp import live_vectors, solve_partition
-from autopar.planner.profile import ModelProfile, Program, Unit, UnitKind, profile_model
+from autopar.planner.profile import ModelProfile, Unit, UnitKind, profile_model
+from autopar.planner.programs import Program
 from autopar.planner.report import memory_formula
 from autopar.planner.search import Request, balanced_partition, plan, price
 from autopar.schedules import build, registry
@@ -664,7 +665,7 @@ def test_pin_restricts_search_to_the_fastest_matching_layout(gpt_profile):
 
 def test_parse_pin_and_bad_pins():
     from autopar.planner.cli import main as cli_main
-    from autopar.planner.search import parse_pin
+    from autopar.planner.request import parse_pin
 
     assert parse_pin("pp=16, ep=64,dp=128,zero=1,microbatches=8,schedule=zb-h2") == \
         {"pp": 16, "ep": 64, "dp": 128, "zero": 1, "m": 8, "schedule": "zb-h2"}
@@ -857,7 +858,8 @@ def test_zb_auto_floor_and_family_bound_never_above_evaluated_memory(mixtral_pro
     """The schedule floor (one microbatch in flight per stage) is <= the memory of the order zb-auto's
     search returns, per rank; a family the screen drops whole has every layout's own screen
     bound over the limit too; to_plan's receive bound is the priced imbalance where ep > 1."""
-    from autopar.planner.search import _floor, _Screen, plan_moe_imbalance
+    from autopar.planner.screen import _Screen
+    from autopar.planner.search import _floor, plan_moe_imbalance
 
     ev = Evaluator(mixtral_profile, get_profile("h100"), 80e9, 32)
     for pp, v, m, zero in [(2, 1, 4, 1), (4, 1, 8, 2), (2, 2, 4, 0)]:

@@ -29,7 +29,7 @@ def test_a_layer_shards_its_projections_by_hand_count(llama8b):
         assert sh is not None and sh.params == linears and sh.param_bytes == 2 * linears  # bf16
         # two sums per forward (attention out, MLP out), each [1, SEQ, d] in bf16
         assert sh.reduces == 2 and sh.reduce_bytes == 2 * SEQ * d * 2
-        # by hand at SEQ=256 (the roofline weights of profile._op_weight): the sharded GEMMs 2 * SEQ *
+        # by hand at SEQ=256 (the roofline weights of tp_share._op_weight): the sharded GEMMs 2 * SEQ *
         # linears FLOPs = 112 us + their element-wise ops ~20 us; the two RMSNorms and residual adds,
         # replicated, ~12 ops of [SEQ, d] ~37 us: a share of about 0.78
         assert sh.attention and 0.7 < sh.flops < 0.9

@@ -159,9 +159,9 @@ def test_dropless_preset_priced_from_its_dispatch_ops():
     (a1, _), (a2, _) = ev1.unit_saved(moe, lay), ev2.unit_saved(moe, lay)
     assert a2 - a1 == pytest.approx(r.rows * r.saved_row_bytes, rel=1e-9)
     with pytest.raises(ValueError, match="no autopar::moe_dispatch op"):
-        from autopar.planner.profile import _check_moe
+        from autopar.planner.routed import check_moe
 
-        _check_moe(pm.moe, sprof.kinds, seq)
+        check_moe(pm.moe, sprof.kinds, seq)
 
 
 def test_deepseek_preset_shapes():
