@@ -186,17 +186,19 @@ def _holdings(built, model) -> list[_Held]:
         if held is not None and f not in held and f in pp.owner_of:
             continue  # another pipeline rank's tensor (a model built whole keeps a stale copy)
         if f in built.params:  # a parameter nothing trains here: whole on every replica
-            copies, copy = (replicas // mesh.ep, replica // mesh.ep) if f in placed else (replicas, replica)
+            copies, copy = (mesh.expert_replicas, mesh.expert_replica) if f in placed else (replicas, replica)
             out.append(_Held(f, whole(f, Shard(0, t.numel(), tuple(t.shape), t, copies=copies, copy=copy)), "value"))
         else:
             out.append(_Held(f, Shard(0, t.numel(), tuple(t.shape), t), "buffer"))
     tp = built.parallelisms.get("tp")
     if tp is None:
         return out
-    # tensor parallelism: a block is this tp rank's alone; anything else every tp rank holds alike,
-    # so each writes its part of it (tp more copies)
+    # tensor parallelism: a block is this tp rank's alone, and so are experts folded over the tp
+    # ranks (their copies already count them: mesh.expert_replicas); anything else every tp rank
+    # holds alike, so each writes its part of it (tp more copies)
     t, r = mesh.tp, mesh.tp_rank
     return [replace(h, tp=tp.shards[h.fqn]) if h.fqn in tp.shards
+            else h if mesh.folded and h.fqn in placed
             else replace(h, shard=replace(h.shard, copies=h.shard.copies * t, copy=h.shard.copy * t + r))
             for h in out]
 

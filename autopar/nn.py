@@ -289,7 +289,8 @@ class MoE(nn.Module):
         ep = getattr(self, "ep", 1)
         e = self.experts
         return moe_dispatch.dropless_experts(xf, ids, gates, [e.w1, e.w3, e.w2], e,
-                                             getattr(self, "ep_group", None), ep, self.n_experts // ep)
+                                             getattr(self, "ep_group", None), ep, self.n_experts // ep,
+                                             getattr(self, "ep_fold_group", None), getattr(self, "ep_fold", 1))
 
     def forward(self, x: torch.Tensor):
         shape = x.shape

@@ -5,6 +5,12 @@ import json
 from dataclasses import asdict, dataclass, field, fields
 
 
+def expert_slots(dp: int, cp: int, tp: int, ep: int) -> int:
+    """The ranks of one pipeline stage a plan's experts are sharded over (ep divides it): its
+    dp*cp replicas, or, with tp > 1 and ep > 1, those folded over the tp ranks too, dp*cp*tp: the
+    tp ranks of a replica then route their own shares of its tokens (runtime/mesh.py)."""
+    return dp * cp * (tp if ep > 1 and tp > 1 else 1)
+
 @dataclass(frozen=True)
 class Plan:
     """How to parallelize: mesh degrees, pipeline schedule, microbatches, stage boundaries.
@@ -95,10 +101,11 @@ class Plan:
                              "stage's saved activations parked on the host) or a tuple of one per stage")
         object.__setattr__(self, "offload", tuple(float(f) for f in off) if isinstance(self.offload, (tuple, list))
                            else float(self.offload))
-        if (self.dp * self.cp) % self.ep:
-            raise ValueError(f"autopar.Plan: ep={self.ep} must divide dp*cp = {self.dp}*{self.cp} = "
-                             f"{self.dp * self.cp} "
-                             "(experts are sharded over the ranks that hold the same pipeline stage)")
+        if expert_slots(self.dp, self.cp, self.tp, self.ep) % self.ep:
+            over = f"dp*cp*tp = {self.dp}*{self.cp}*{self.tp}" if self.tp > 1 else f"dp*cp = {self.dp}*{self.cp}"
+            raise ValueError(f"autopar.Plan: ep={self.ep} must divide {over} = "
+                             f"{expert_slots(self.dp, self.cp, self.tp, self.ep)} (experts are sharded over the ranks "
+                             "that hold the same pipeline stage, folded over the tp ranks when tp > 1)")
         from autopar.schedules import default_stages_per_rank, names
 
         if self.schedule not in names():

@@ -110,11 +110,11 @@ class DataParallel(Parallelism):
         self.trained = [f for f in params if f in trained]  # model order
         self.experts = [f for f in self.trained if f in expert_params]
         plain = [f for f in self.trained if f not in expert_params]
-        # the expert-data-parallel group: the replicas holding this rank's experts (replica // ep
-        # numbers them, mesh.expert_group), over which expert shards are ZeRO-sharded like the
-        # rest over the replicas; of one rank (ep == dp*cp), or under ZeRO-0, they stay whole
-        ep = mesh.ep if mesh is not None else 1
-        self.expert_replicas, self.expert_replica = replicas // ep, (mesh.replica // ep if mesh is not None else 0)
+        # the expert-data-parallel group: the ranks holding this rank's experts (mesh.expert_group;
+        # folded over tp, runtime/mesh.py), over which expert shards are ZeRO-sharded like the
+        # rest over the replicas; of one rank (ep == dp*cp, or dp*cp*tp folded), or under ZeRO-0,
+        # they stay whole
+        self.expert_replicas, self.expert_replica = (mesh.expert_replicas, mesh.expert_replica) if mesh else (1, 0)
         self.expert_rows = {f: params[f].shape[0] for f in self.experts}  # dim 0 of the shard this rank holds
         sharded_experts = set(self.experts) if self.zero >= 1 and self.expert_replicas > 1 else set()
         self.zeroed = [f for f in self.trained if f not in expert_params or f in sharded_experts]  # ZeRO-sharded

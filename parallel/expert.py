@@ -44,7 +44,9 @@ class ExpertParallel(Parallelism):
         check_expert_parallel(model, ep)
 
     def rewrite_module(self, model) -> None:
-        self.shards = apply_expert_parallel(model, self.ep, self.mesh.ep_rank, self.mesh.ep_group)
+        fold = self.mesh.tp if self.mesh.folded else 1
+        self.shards = apply_expert_parallel(model, self.ep, self.mesh.ep_rank, self.mesh.ep_group,
+                                            self.mesh.tp_group if fold > 1 else None, fold)
         self.model = model
         self.sharded = frozenset(self.shards)
         log.info("autopar: expert parallel over %d ranks: %d expert parameters sharded", self.ep, len(self.shards))

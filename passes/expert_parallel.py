@@ -286,6 +286,28 @@ def _resolve_group(group, ep: int, ep_rank: int) -> str | None:
     return name
 
 
+def _fold_group(model: nn.Module, ours, hf, group, fold: int) -> str | None:
+    """The name of the group of ``fold`` tensor-parallel ranks the experts are folded over (each
+    routes its share of the rows: ``moe_dispatch.dropless_experts``), or None for ``fold == 1``.
+    Only dropless dispatches fold: a static-capacity block computes its capacity from the rows it
+    routes, so routing a share of them would drop other tokens than one process does."""
+    if fold == 1:
+        return None
+    static = [name or "<root>" for name, m in ours if not m.dropless]
+    static += [name or "<root>" for name, _p, e in hf if grouped_experts.is_grouped(e)]
+    if static:
+        raise ValueError(f"autopar: experts folded over tp={fold} ranks (tp > 1 and ep > 1) route each tp rank's share "
+                         f"of the tokens, but {', '.join(static)} has a static capacity computed from the tokens it "
+                         "routes, so it would drop other tokens than the model does; use a dropless block "
+                         "(autopar.nn.MoE(capacity_factor=None)), or tp=1 with ep, or ep=1 with tp")
+    if not comms.initialized():
+        raise ValueError(f"autopar: experts folded over tp={fold} ranks need the tensor-parallel process group")
+    name = comms.group_name(group)
+    if comms.size_of(name) != fold:
+        raise ValueError(f"autopar: the fold group has {comms.size_of(name)} ranks but tp={fold}")
+    return name
+
+
 def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
     """Every check ``apply_expert_parallel`` makes before it touches a process group or the
     model (ValueError naming the block and the fix); returns (autopar MoEs, Hugging Face
@@ -328,7 +350,8 @@ def check_expert_parallel(model: nn.Module, ep: int, ep_rank: int = 0):
     return ours, hf
 
 
-def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -> dict[str, ExpertShard]:
+def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None, fold_group=None,
+                          fold: int = 1) -> dict[str, ExpertShard]:
     """Shard the experts of every MoE block of ``model`` (``moe_blocks``) over ``ep`` ranks, in place.
 
     This rank keeps experts ``[ep_rank * E/ep, (ep_rank + 1) * E/ep)`` of each block as copies
@@ -344,6 +367,7 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
     call: parameters created before it still reference the full expert tensors.
     """
     ours, hf = check_expert_parallel(model, ep, ep_rank)
+    fold_name = _fold_group(model, ours, hf, fold_group, fold)
     group_name = _resolve_group(group, ep, ep_rank)  # fails here, before any module changes
 
     shards: dict[str, ExpertShard] = {}
@@ -353,6 +377,8 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
             hf_moe.apply_generic_expert_parallel
         for fqn, full_shape in apply(experts, prefix + ".", ep, ep_rank, group_name, model.get_submodule(name)):
             shards[fqn] = ExpertShard(fqn, 0, full_shape, ep, ep_rank)
+        if fold > 1:
+            experts.ep_fold, experts.ep_fold_group = fold, fold_name
         n_local = hf_moe.expert_count(experts) // ep
         form = "rows grouped by expert" if isinstance(experts, grouped_experts.GroupedExpertParallel) else "dropless"
         log.info("expert_parallel: %s (%s, %s) keeps experts [%d, %d) of %d (ep=%d, rank %d)",
@@ -373,6 +399,8 @@ def apply_expert_parallel(model: nn.Module, ep: int, ep_rank: int, group=None) -
             shards[prefix + pname] = ExpertShard(prefix + pname, 0, tuple(p.shape), ep, ep_rank)
         m.__class__ = _ep_class(type(m))
         m.ep, m.ep_rank, m.ep_group = ep, ep_rank, group_name
+        if fold > 1:
+            m.ep_fold, m.ep_fold_group = fold, fold_name
         if m.dropless:
             moe_dispatch.set_layer_name(m.experts, name or "<root>")
         log.info("expert_parallel: %s keeps experts [%d, %d) of %d (ep=%d, rank %d)",

@@ -176,7 +176,8 @@ def _dispatch(module, hidden_states, top_k_index, top_k_weights, n_local: int) -
     params = dict(module.named_parameters())
     spec_names = moe_dispatch.registered_names(module)
     return moe_dispatch.dropless_experts(hidden_states, top_k_index, top_k_weights, [params[n] for n in spec_names],
-                                         module, module.ep_group, module.ep, n_local)
+                                         module, module.ep_group, module.ep, n_local,
+                                         getattr(module, "ep_fold_group", None), getattr(module, "ep_fold", 1))
 
 
 def _block_name(prefix: str) -> str:

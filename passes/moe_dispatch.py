@@ -78,6 +78,8 @@ import torch.fx as fx
 from autopar.collectives import moe_exchange as ex
 from autopar.collectives.moe_exchange import ExpertsEntry
 
+from . import tp_ops  # noqa: F401 - the sp_split / sp_gather ops a folded dispatch inserts
+
 log = logging.getLogger("autopar")
 
 __all__ = ("register_experts", "dropless_experts", "routed_info", "RoutedInfo", "registered_names", "set_layer_name",
@@ -308,10 +310,27 @@ IN_FLIGHT_OPS = FORWARD_OPS[:2] + BACKWARD_OPS[:2]  # after these, an all-to-all
 
 
 def dropless_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, params: list, experts,
-                     group: str | None, ep: int, n_local: int) -> torch.Tensor:
+                     group: str | None, ep: int, n_local: int, fold_group: str | None = None,
+                     fold: int = 1) -> torch.Tensor:
     """The routed experts' output ``[N, d]`` (module docstring) of the registered module
     ``experts`` (``register_experts``; it serves its own entry while the ops run); ``params`` in
-    the order it was registered with."""
+    the order it was registered with.
+
+    ``fold > 1``: the experts are folded over the ``fold`` tensor-parallel ranks of the group
+    ``fold_group``, which hold the same ``N`` rows: each routes only its block of ``N / fold``
+    rows (``sp_split``: forward narrow, backward all-gather of the gradient) and the blocks'
+    outputs are gathered whole again (``sp_gather``: forward all-gather, backward narrow; the
+    replicated readers compute the same gradient on every tp rank), so every row goes through
+    its experts once, on one rank, instead of once per tp rank."""
+    if fold > 1:
+        if x.shape[0] % fold:
+            raise ValueError(f"autopar: experts folded over tp={fold} ranks split the MoE block's {x.shape[0]} rows "
+                             f"(tokens of a microbatch) among them, which {fold} does not divide; make the "
+                             f"microbatch's tokens a multiple of {fold}, or use ep=1 or tp=1 (experts not folded)")
+        ops = torch.ops.autopar
+        x, ids, weights = (ops.sp_split(t, fold_group, 0, fold) for t in (x, ids, weights))
+        y = dropless_experts(x, ids, weights, params, experts, group, ep, n_local)
+        return ops.sp_gather(y, fold_group, 0, fold)
     ops = torch.ops.autopar
     params = list(params)
     spec: ExpertsEntry = experts._autopar_dispatch

@@ -41,76 +41,13 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from autopar.collectives import comms
-
 from .captured import CapturedGraph
 from .tensor_parallel import graded, localize, new_node, refresh_val
-from .tp_ops import COPY, REDUCE
+from .tp_ops import ALL_GATHER, COPY, GATHER, REDUCE, REDUCE_SCATTER, SPLIT
 from .tp_rules import _NoRule, _rule, _tensor_args, _val, _where, is_elementwise, replicated_reads
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
-
-
-# -- the collectives ------------------------------------------------------------------------------------------------
-
-
-def _block_shape(x: torch.Tensor, dim: int, tp: int, scale) -> list[int]:
-    shape = list(x.shape)
-    shape[dim] = scale(shape[dim], tp)
-    return shape
-
-
-@torch.library.custom_op("autopar::sp_all_gather", mutates_args=())
-def sp_all_gather(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
-    """Forward: every rank's block along ``dim``, concatenated (a column's input); backward: the
-    reduce-scatter of the gradient (each rank's holds its heads' part for every token)."""
-    return comms.gathered_along(x, group, dim)
-
-
-@torch.library.custom_op("autopar::sp_reduce_scatter", mutates_args=())
-def sp_reduce_scatter(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
-    """Forward: this rank's block along ``dim`` of the sum over tp (a row's partial sums);
-    backward: the all-gather of the gradient."""
-    return comms.scattered_sum_along(x, group, dim)
-
-
-@torch.library.custom_op("autopar::sp_gather", mutates_args=())
-def sp_gather(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
-    """Forward: the whole value from every rank's block (read by replicated ops); backward: the
-    rank's block of the gradient (every rank computes the same one)."""
-    return comms.gathered_along(x, group, dim)
-
-
-@torch.library.custom_op("autopar::sp_split", mutates_args=())
-def sp_split(x: torch.Tensor, group: str, dim: int, tp: int) -> torch.Tensor:
-    """Forward: this rank's block along ``dim`` of a replicated value; backward: the all-gather of
-    the gradient."""
-    n = x.shape[dim] // tp
-    return x.narrow(dim, comms.rank_in(group) * n, n).clone(memory_format=torch.contiguous_format)
-
-
-for _op_, _scale in ((sp_all_gather, int.__mul__), (sp_gather, int.__mul__), (sp_reduce_scatter, int.__floordiv__),
-                     (sp_split, int.__floordiv__)):
-    _op_.register_fake(lambda x, group, dim, tp, _s=_scale: x.new_empty(_block_shape(x, dim, tp, _s)))
-
-
-def _setup(ctx, inputs, output):
-    ctx.args = inputs[1:]
-
-
-sp_all_gather.register_autograd(lambda ctx, g: (sp_reduce_scatter(g, *ctx.args), None, None, None),
-                                setup_context=_setup)
-sp_reduce_scatter.register_autograd(lambda ctx, g: (sp_all_gather(g, *ctx.args), None, None, None),
-                                    setup_context=_setup)
-sp_gather.register_autograd(lambda ctx, g: (sp_split(g, *ctx.args), None, None, None), setup_context=_setup)
-sp_split.register_autograd(lambda ctx, g: (sp_all_gather(g, *ctx.args), None, None, None), setup_context=_setup)
-
-ALL_GATHER = torch.ops.autopar.sp_all_gather.default
-REDUCE_SCATTER = torch.ops.autopar.sp_reduce_scatter.default
-GATHER = torch.ops.autopar.sp_gather.default
-SPLIT = torch.ops.autopar.sp_split.default
-COLLECTIVES = frozenset({ALL_GATHER, REDUCE_SCATTER, GATHER})  # (sp_split only narrows)
 
 
 # -- the analysis ---------------------------------------------------------------------------------------------------

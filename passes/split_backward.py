@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from . import keys, moe_dispatch, sequence_parallel, tp_ops, tp_rules
+from . import keys, moe_dispatch, tp_ops, tp_rules
 from .costs import annotate_costs, graph_flops, is_random, is_view, value_bytes
 from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
@@ -136,7 +136,7 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
     reduces = [n for n in joint.graph.nodes if (n.target is tp_ops.REDUCE or n.target in
-                                                sequence_parallel.COLLECTIVES) and n not in fwd_set]
+                                                tp_ops.SP_COLLECTIVES) and n not in fwd_set]
     gin_anc = _ancestors(gin_nodes + reduces, stop=kept)
     gpar_anc = _ancestors(gpar_nodes, stop=kept)
     f_nodes = fwd_set | kept  # (a kept op's result only the backward reads is taken in F)
@@ -292,7 +292,7 @@ def _regather_column_inputs(joint: fx.GraphModule, fwd_set: set[fx.Node]) -> Non
     copy is a collective of the backward, so I runs it (``split_backward``'s I roots) and W, which
     reads its result, never communicates."""
     graph = joint.graph
-    gathers = [n for n in graph.nodes if n.target is sequence_parallel.ALL_GATHER and n in fwd_set]
+    gathers = [n for n in graph.nodes if n.target is tp_ops.ALL_GATHER and n in fwd_set]
     if not gathers:
         return
     order = {n: k for k, n in enumerate(graph.nodes)}

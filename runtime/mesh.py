@@ -10,7 +10,8 @@ Groups (all ranks create all of them, in the same order, as torch requires):
                  parameters are summed here (dp replicas see other samples, cp ranks other
                  sequence positions; the loss tangent already carries 1/(dp*m*cp))
   cp_group       the cp ranks of one dp replica (Ulysses all-to-alls)
-  ep_group       ep consecutive replicas of one pipeline rank (expert all-to-alls); ep divides dp*cp
+  ep_group       ep consecutive replicas of one pipeline rank (expert all-to-alls); ep divides dp*cp;
+                 folded (tp > 1 and ep > 1): ep consecutive (replica, tp rank) slots, ep divides dp*cp*tp
   expert_group   the replicas with the same ep_rank: gradients of expert-sharded parameters are
                  summed here
   tied_groups    per tied parameter, the pipeline ranks of one replica that hold it
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 from autopar.collectives import comms
+from autopar.plan import expert_slots
 
 
 @dataclass
@@ -75,8 +77,31 @@ class Mesh:
         return self.replica % self.cp
 
     @property
+    def folded(self) -> bool:
+        """Experts folded over the tensor-parallel ranks (tp > 1 and ep > 1): a stage's experts are
+        sharded over its dp*cp*tp ranks, the tp ranks of a replica being expert ranks of their own
+        (each routes its share of the replica's tokens) instead of replicas of one another."""
+        return self.ep > 1 and self.tp > 1
+
+    @property
+    def expert_slot(self) -> int:
+        """This rank's index among the ranks of its stage the experts are laid over: the replica,
+        or, folded, replica * tp + tp rank."""
+        return self.replica * self.tp + self.tp_rank if self.folded else self.replica
+
+    @property
     def ep_rank(self) -> int:
-        return self.replica % self.ep
+        return self.expert_slot % self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (the expert-data-parallel group's size)."""
+        return self.replicas * (self.tp if self.folded else 1) // self.ep
+
+    @property
+    def expert_replica(self) -> int:
+        """This rank's index in its expert-data-parallel group."""
+        return self.expert_slot // self.ep
 
     def global_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline rank `pp_rank` in this process's replica and tp rank."""
@@ -98,9 +123,11 @@ def check_degrees(pp: int, dp: int, cp: int, ep: int, world: int, tp: int = 1) -
     if pp * dp * cp * tp != world:
         raise ValueError(f"autopar: plan needs pp*dp*cp*tp = {pp}*{dp}*{cp}*{tp} = {pp * dp * cp * tp} ranks but the "
                          f"process group has {world}; launch {pp * dp * cp * tp} processes or change the plan")
-    if (dp * cp) % ep:
-        raise ValueError(f"autopar: ep={ep} must divide dp*cp = {dp}*{cp} = {dp * cp} (experts are sharded over "
-                         "ranks holding the same pipeline stage); change ep or dp")
+    slots = expert_slots(dp, cp, tp, ep)
+    if slots % ep:
+        over = f"dp*cp*tp = {dp}*{cp}*{tp}" if tp > 1 else f"dp*cp = {dp}*{cp}"
+        raise ValueError(f"autopar: ep={ep} must divide {over} = {slots} (experts are sharded over the ranks holding "
+                         "the same pipeline stage, folded over the tp ranks when tp > 1); change ep, dp or tp")
 
 
 def build_mesh(pp: int, dp: int, timeout: timedelta, cp: int = 1, ep: int = 1, tp: int = 1) -> Mesh:
@@ -140,15 +167,24 @@ def build_mesh(pp: int, dp: int, timeout: timedelta, cp: int = 1, ep: int = 1, t
     if ep == 1:  # no expert sharding: experts (if any) are replicated like everything else
         mesh.expert_group = mesh.replica_group
         return mesh
-    for t in range(tp):
+    # the experts of a stage are laid over its "slots": the replicas of each tp rank apart, or,
+    # folded, every (replica, tp rank) as slot replica * tp + t; ep consecutive slots share a
+    # stage's experts (the ep group), slots with the same ep rank hold the same ones
+    lanes, slots = (1, reps * tp) if mesh.folded else (tp, reps)
+
+    def slot_rank(lane: int, s: int, r: int) -> int:
+        return at(s // tp, r, s % tp) if mesh.folded else at(s, r, lane)
+
+    mine = 0 if mesh.folded else me
+    for lane in range(lanes):
         for r in range(pp):
-            for block in range(reps // ep):
-                g = group([at(block * ep + e, r, t) for e in range(ep)])
-                if (r, block, t) == (mesh.pp_rank, mesh.replica // ep, me):
+            for block in range(slots // ep):
+                g = group([slot_rank(lane, block * ep + e, r) for e in range(ep)])
+                if (r, block, lane) == (mesh.pp_rank, mesh.expert_replica, mine):
                     mesh.ep_group = g
             for e in range(ep):
-                g = group([at(block * ep + e, r, t) for block in range(reps // ep)])
-                if (r, e, t) == (mesh.pp_rank, mesh.ep_rank, me):
+                g = group([slot_rank(lane, block * ep + e, r) for block in range(slots // ep)])
+                if (r, e, lane) == (mesh.pp_rank, mesh.ep_rank, mine):
                     mesh.expert_group = g
     return mesh
 
