@@ -16,7 +16,7 @@ import math
 import operator
 
 __all__ = ["p2p_time", "all_reduce_time", "reduce_scatter_time", "all_gather_time", "all_to_all_time",
-           "group_link"]
+           "group_all_to_all_time", "group_link"]
 
 
 def _check_bytes(nbytes, what: str) -> float:
@@ -97,3 +97,23 @@ def group_link(profile, group_size: int, stride: int):
     size = _check_n(group_size, "group_link", "group_size")
     stride = _check_n(stride, "group_link", "stride")
     return profile.intra if size == 1 or stride * size <= profile.gpus_per_node else profile.inter
+
+
+def group_all_to_all_time(profile, nbytes, group_size: int, stride: int) -> float:
+    """All-to-all of a group laid out as ``group_link`` assumes, its intra- and inter-node
+    parts priced apart: of a rank's ``nbytes``, the shares for the ``g - 1`` other members on its
+    node cross ``profile.intra`` and the shares for the ``n - g`` members elsewhere cross
+    ``profile.inter``, the two at once (separate links: NVLink and the NICs), so the slower part
+    bounds it. ``g`` = members per node. A group within one node is ``all_to_all_time`` over
+    ``profile.intra``; with one member per node, over ``profile.inter``."""
+    b = _check_bytes(nbytes, "group_all_to_all_time")
+    n = _check_n(group_size, "group_all_to_all_time", "group_size")
+    stride = _check_n(stride, "group_all_to_all_time", "stride")
+    if n == 1:
+        return 0.0
+    g = max(1, min(n, profile.gpus_per_node // stride)) if stride <= profile.gpus_per_node else 1
+    intra, inter = profile.intra, profile.inter
+    near = (g - 1) * intra.alpha_s + (g - 1) / n * b / intra.bandwidth if g > 1 else 0.0
+    far = (n - g) * inter.alpha_s + (n - g) / n * b / inter.bandwidth if n > g else 0.0
+    return max(near, far)
+

@@ -34,6 +34,7 @@ from autopar.passes.zero_layout import (
     ns_flops,
     zero_layout,
 )
+from autopar.plan import expert_slots
 from autopar.schedules.simulate import peak_memory
 
 from .inflight import frontier_peaks, inflight_frontier, stage_inflight
@@ -60,8 +61,15 @@ class MemoryModel:
     """The memory terms of ``Evaluator`` (planner/estimate.py), which mixes this in."""
 
     def expert_replicas(self, lay: Layout) -> int:
-        """Ranks holding the same experts (the expert-data-parallel group): dp*cp/ep."""
-        return max(1, (lay.dp * lay.cp) // lay.ep)
+        """Ranks holding the same experts (the expert-data-parallel group): dp*cp/ep, or
+        dp*cp*tp/ep with the experts folded over the tp ranks (``autopar.plan.expert_slots``)."""
+        return max(1, expert_slots(lay.dp, lay.cp, lay.tp, lay.ep) // lay.ep)
+
+    @staticmethod
+    def fold(lay: Layout) -> int:
+        """The tp ranks that split a replica's routed rows (experts folded over them: tp > 1 and
+        ep > 1; runtime/mesh.py), else 1."""
+        return lay.tp if lay.tp > 1 and lay.ep > 1 else 1
 
     def routed(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
         """(mean, worst rank) bytes the unit's token-proportional MoE dispatch keeps from F to W
@@ -71,7 +79,7 @@ class MemoryModel:
         r = kind.routed
         if r is None:
             return 0.0, 0.0
-        mean = r.rows * self.scale(lay) * r.saved_row_bytes
+        mean = r.rows * self.scale(lay) * r.saved_row_bytes / self.fold(lay)
         return mean, mean * (self.moe_imbalance if lay.ep > 1 else 1.0)
 
     def unit_saved(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:

@@ -275,7 +275,10 @@ class ModelProfile:
         a model nothing else fits). MoE models whose experts it leaves to expert parallelism
         (GLM-5, DeepSeek-V3: their latent attention, 45-49% of the time at 4096 tokens, 2% of the
         parameters: 64-66% at tp=2) are not searched; at longer sequences, where attention weighs
-        more, they are. ``--pin tp=`` prices any degree."""
+        more, they are. ``--pin tp=`` prices any degree (with ep > 1 the experts then fold over the
+        tp ranks: DeepSeek-V3's 1,024-GPU recipe at tp=2, pp=16, ep=64, dp=32 is priced so;
+        counting the folded experts as sharded here would search tp for every MoE model, about
+        doubling DeepSeek-V3's search, and on that request still chose the tp=1 plan)."""
         flops = sum(u.kind.f.total_flops for u in self.units) or 1.0
         params = self.total_params or 1
         time = sum(sh.flops * u.kind.f.total_flops for u in self.units if (sh := u.kind.tp_share(tp)) is not None)

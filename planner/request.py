@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from autopar.plan import expert_slots
 from autopar.schedules import registry
 
 from .estimate import (
@@ -75,11 +76,13 @@ class Request:
                 raise ValueError(f"--pin {k}={pin[k]} does not divide the GPU count {self.gpus}")
         if "ep" in pin and "dp" in pin and ("cp" in pin or all(k in pin for k in ("pp", "tp"))):
             cp = pin["cp"] if "cp" in pin else self.gpus // (pin["pp"] * pin["dp"] * pin["tp"])
-            if (pin["dp"] * cp) % pin["ep"]:
-                raise ValueError(f"--pin ep={pin['ep']}: experts are sharded over the dp x cp = {pin['dp']} x {cp} = "
-                                 f"{pin['dp'] * cp} ranks that hold a pipeline stage, so ep must divide "
-                                 f"{pin['dp'] * cp}; experts folded over the tensor-parallel ranks as well (ep up "
-                                 "to dp x cp x tp) are not built yet: pin a smaller ep, or more dp")
+            tp = pin.get("tp", self.gpus // (pin["pp"] * pin["dp"] * cp) if "pp" in pin else 1)
+            slots = expert_slots(pin["dp"], cp, tp, pin["ep"])
+            if slots % pin["ep"]:
+                over = f"dp x cp x tp = {pin['dp']} x {cp} x {tp}" if tp > 1 else f"dp x cp = {pin['dp']} x {cp}"
+                raise ValueError(f"--pin ep={pin['ep']}: experts are sharded over the {over} = {slots} ranks that hold "
+                                 f"a pipeline stage (folded over the tensor-parallel ranks when tp > 1), so ep must "
+                                 f"divide {slots}: pin a smaller ep, or more dp or tp")
         if self.gpus < 1:
             raise ValueError(f"autopar plan: --gpus must be >= 1, got {self.gpus}")
         if self.global_batch < 1:

@@ -29,6 +29,9 @@ class RoutedInfo:
     # while each of a chain's two all-to-alls is in flight (passes/moe_overlap.py), summed
     overlap_f: tuple[float, float] = (0.0, 0.0)
     overlap_i: tuple[float, float] = (0.0, 0.0)
+    # bytes of the blocks' input rows ([N, d] each, summed): what experts folded over tp ranks
+    # all-gather after the dispatch in F and (as gradients) in I (passes/moe_dispatch.py)
+    token_bytes: float = 0.0
 
     @property
     def saved_bytes(self) -> float:
@@ -43,7 +46,7 @@ def routed_of(gm: fx.GraphModule) -> RoutedInfo | None:
     measured the experts' own code per row (``moe_dispatch.register_experts``)."""
     from autopar.passes.moe_dispatch import routed_info
 
-    rows = row_b = saved_b = flops = 0.0
+    rows = row_b = saved_b = flops = tokens_b = 0.0
     hide_f, hide_i = [0.0, 0.0], [0.0, 0.0]
     dtype = None
     for n in gm.graph.nodes:
@@ -57,13 +60,15 @@ def routed_of(gm: fx.GraphModule) -> RoutedInfo | None:
         row_b += info.rows * info.row_bytes
         saved_b += info.rows * info.saved_row_bytes
         flops += info.rows * info.flops_per_row
+        x = n.args[0].meta["val"]
+        tokens_b += x.numel() * x.element_size()
         dtype = dtype or str(n.args[0].meta["val"].dtype).replace("torch.", "")
     if dtype is None:
         return None
     if not rows:
         return RoutedInfo(0.0, 0.0, 0.0, 0.0, dtype)
     return RoutedInfo(rows=rows, row_bytes=row_b / rows, saved_row_bytes=saved_b / rows, flops_per_row=flops / rows,
-                      dtype=dtype, overlap_f=tuple(hide_f), overlap_i=tuple(hide_i))
+                      dtype=dtype, overlap_f=tuple(hide_f), overlap_i=tuple(hide_i), token_bytes=tokens_b)
 
 
 def check_moe(moe: dict, kinds: list, tokens: int) -> None:

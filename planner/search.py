@@ -116,7 +116,8 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             per_replica = req.global_batch // dp
             eps = [1]
             if profile.n_experts and req.allow_ep:
-                eps = [e for e in divisors(dp * cp) if profile.n_experts % e == 0]
+                # experts folded over the tp ranks (autopar.plan.expert_slots): ep up to dp*cp*tp
+                eps = [e for e in divisors(dp * cp * tp) if profile.n_experts % e == 0]
             zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
             ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
             names = ("1f1b",) if pp == 1 else req.schedules

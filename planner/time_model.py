@@ -71,9 +71,21 @@ class TimeModel:
             d, t = self.device, lay.tp
             hit = self._links[key] = {
                 "cp": comm.group_link(d, lay.cp, t), "dp": comm.group_link(d, lay.dp * lay.cp, t),
-                "ep": comm.group_link(d, lay.ep, t), "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp * t),
-                "edp": comm.group_link(d, self.expert_replicas(lay), lay.ep * t), "tp": comm.group_link(d, t, 1)}
+                "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp * t), "tp": comm.group_link(d, t, 1)}
+            # the ep group's slots are consecutive ranks when folded over tp, else t apart
+            slot = 1 if self.fold(lay) > 1 else t
+            hit.update(ep=comm.group_link(d, lay.ep, slot),
+                       edp=comm.group_link(d, self.expert_replicas(lay), lay.ep * slot))
         return hit
+
+    def ep_all_to_all(self, nbytes: float, lay: Layout) -> float:
+        """One expert-parallel all-to-all of ``nbytes`` per rank, its intra- and inter-node parts
+        apart (``comm.group_all_to_all_time``; the ep group's slots are consecutive ranks when
+        folded over tp, else tp apart); on the ``cpu`` profile gloo's all-to-all over one link."""
+        slot = 1 if self.fold(lay) > 1 else lay.tp
+        if self.device.name == "cpu":
+            return comm.all_to_all_time(nbytes, lay.ep, self.links(lay)["ep"])
+        return comm.group_all_to_all_time(self.device, nbytes, lay.ep, slot)
 
     @staticmethod
     def _time_key(kind: UnitKind, lay: Layout) -> tuple:
@@ -111,16 +123,25 @@ class TimeModel:
             # experts on the extra rows (F, I and W: one GEMM each per forward GEMM)
             imb = self.moe_imbalance
             rate = self.device.flops_rate(r.dtype)
-            one = comm.all_to_all_time(r.rows * sc * imb * r.row_bytes, lay.ep, links["ep"])
+            fold = self.fold(lay)
+            if fold > 1:
+                # experts folded over the tp ranks: each routes 1/tp of the replica's rows, so its
+                # experts' GEMMs (F, I, and W's 3/2: passes/moe_dispatch.dispatch_flops) shrink by
+                # that, and the blocks' outputs are all-gathered over tp in F (their gradients in I)
+                mine = (1.0 - 1.0 / fold) * r.rows * sc * r.flops_per_row / rate
+                gather = self.collective("all_gather", r.token_bytes * sc, fold, links["tp"])
+                f, i, w = f - mine + gather, i - mine + gather, w - 1.5 * mine
+            rows = r.rows / fold
+            one = self.ep_all_to_all(rows * sc * imb * r.row_bytes, lay)
             # passes/moe_overlap.py: each all-to-all flies while the independent work of its
             # window (a shared expert; its input gradients in I) computes: only the rest is exposed
             a2a_f = sum(max(0.0, one - h * sc / rate) for h in r.overlap_f)
             a2a_i = sum(max(0.0, one - h * sc / rate) for h in r.overlap_i)
             self._dispatch[key] = (a2a_f, a2a_i)
-            extra = (imb - 1.0) * r.rows * sc * r.flops_per_row / rate
+            extra = (imb - 1.0) * rows * sc * r.flops_per_row / rate
             f, i, w = f + a2a_f + extra, i + a2a_i + extra, w + extra
         elif lay.ep > 1 and kind.dispatch_bytes:  # static capacity: the whole expert buffers move
-            a2a = 2 * comm.all_to_all_time(kind.dispatch_bytes * sc, lay.ep, links["ep"])
+            a2a = 2 * self.ep_all_to_all(kind.dispatch_bytes * sc, lay)
             f, i = f + a2a, i + a2a
         if lay.zero == 3 and lay.dp * lay.cp > 1:
             # runtime/sharded.py: F and I of every microbatch gather the unit's layer group (W

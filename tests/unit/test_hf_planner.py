@@ -93,6 +93,29 @@ def test_user_dropless_moe_priced_from_its_dispatch_ops():
     (a1, b1), (a2, b2) = ev.unit_saved(moes[0], one), ev.unit_saved(moes[0], two)
     assert a1 >= r.rows * r.saved_row_bytes and b1 >= r.rows * (r.saved_row_bytes + r.row_bytes)
     assert a2 - a1 == pytest.approx((imb - 1) * r.rows * r.saved_row_bytes, rel=1e-9) and b2 - b1 == a2 - a1
+    # experts folded over tp=2 (ep=4 over dp=2 x tp=2): against tp=2 without ep, each tp rank
+    # routes half the rows (its experts' GEMMs halve: F and I by half the rows' FLOPs, W by 3/2 of
+    # that), sends half through the all-to-alls, and all-gathers the [N, d] outputs over tp in F
+    # and their gradients in I; it keeps half the routed state, at the worst rank's imbalance
+    ev2 = ev.for_tp(2)
+    kind = next(u.kind for u in ev2.units if u.kind.expert_params)
+    rt = kind.routed
+    assert rt.token_bytes == batch * seq * d * 4  # the unit's one block: [N, d] fp32
+    plain, folded = (Layout(1, 2, 1, ep, "1f1b", 1, 1, batch, 0, tp=2) for ep in (1, 4))
+    wide = Layout(1, 4, 1, 2, "1f1b", 1, 1, batch, 0, tp=2)  # ep=2 over dp=4 x tp=2: 4 copies of each expert
+    assert (ev2.expert_replicas(folded), ev2.expert_replicas(wide)) == (1, 4)
+    links = ev2.links(folded)
+    rate = dev.flops_rate("float32")
+    half = rt.rows / 2 * rt.flops_per_row / rate
+    gather = ev2.collective("all_gather", rt.token_bytes, 2, links["tp"])
+    a2a = 2 * all_to_all_time(rt.rows / 2 * imb * rt.row_bytes, 4, links["ep"])
+    extra = (imb - 1) * rt.rows / 2 * rt.flops_per_row / rate
+    (fp, ip, wp), (ff, fi, fw) = ev2.unit_times(kind, plain), ev2.unit_times(kind, folded)
+    assert ff - fp == pytest.approx(-half + gather + a2a + extra, rel=1e-9)
+    assert fi - ip == pytest.approx(-half + gather + a2a + extra, rel=1e-9)
+    assert fw - wp == pytest.approx(-1.5 * half + extra, rel=1e-9)
+    (sp, _), (sf, _) = ev2.unit_saved(kind, plain), ev2.unit_saved(kind, folded)
+    assert sf - sp == pytest.approx((imb - 1) * rt.rows / 2 * rt.saved_row_bytes, rel=1e-9)
 
 
 def test_hf_moe_captured_through_the_dispatch_op():
@@ -290,3 +313,21 @@ def test_grouped_experts_config_is_priced_as_its_static_form(tmp_path):
         assert k.routed is None and k.dispatch_bytes == 4 * tokens * 64 * 2, (k.kind, k.dispatch_bytes)
         assert k.expert_params == 4 * (64 * 2 * 32 + 32 * 64), k.expert_params
     assert res.chosen is not None and res.chosen.layout.ep == 2
+
+
+def test_expert_all_to_all_prices_its_intra_and_inter_node_parts():
+    """An ep group over 8-GPU nodes: of 64 members 8 share a node (7/64 of the bytes over
+    NVLink, 56/64 over the NICs, at once: the slower bounds it); 8 members on one node: all
+    NVLink; members 8 apart: one per node, all NICs. Hand-derived from the h100 profile's links."""
+    from autopar.planner.comm import group_all_to_all_time
+    from autopar.planner.devices import get_profile
+
+    dev = get_profile("h100")
+    a, b = dev.intra, dev.inter
+    nbytes = 3e8
+    far = 56 * b.alpha_s + 56 / 64 * nbytes / b.bandwidth
+    near = 7 * a.alpha_s + 7 / 64 * nbytes / a.bandwidth
+    assert group_all_to_all_time(dev, nbytes, 64, 1) == pytest.approx(max(near, far), rel=1e-12)
+    assert group_all_to_all_time(dev, nbytes, 8, 1) == pytest.approx(7 * a.alpha_s + 7 / 8 * nbytes / a.bandwidth)
+    assert group_all_to_all_time(dev, nbytes, 8, 8) == pytest.approx(7 * b.alpha_s + 7 / 8 * nbytes / b.bandwidth)
+    assert group_all_to_all_time(dev, nbytes, 1, 1) == 0.0

@@ -682,10 +682,12 @@ def test_parse_pin_and_bad_pins():
     with pytest.raises(ValueError, match="unknown schedule"):
         parse_pin("schedule=nope")
     assert cli_main(["llama3-8b", "--gpus", "8", "--global-batch", "8", "--pin", "sp=2", "--quiet"]) == 2
+    # NVIDIA's DeepSeek-V3 recipe: ep=64 over tp=2 x dp=32, experts folded over tp, is expressible;
     # a layout the runtime cannot express is refused by the constraint it breaks, not priced as
-    # "no plan fits" (NVIDIA's DeepSeek-V3 recipe: ep=64 over tp=2 x dp=32 folds experts over tp)
-    with pytest.raises(ValueError, match=r"ep=64: experts are sharded over the dp x cp = 32 x 1 = 32 ranks"):
-        Request(gpus=1024, global_batch=8192, memory_limit=80e9, pin={"tp": 2, "pp": 16, "ep": 64, "dp": 32})
+    # "no plan fits"
+    Request(gpus=1024, global_batch=8192, memory_limit=80e9, pin={"tp": 2, "pp": 16, "ep": 64, "dp": 32})
+    with pytest.raises(ValueError, match=r"ep=128: experts are sharded over the dp x cp x tp = 32 x 1 x 2 = 64 ranks"):
+        Request(gpus=1024, global_batch=8192, memory_limit=80e9, pin={"tp": 2, "pp": 16, "ep": 128, "dp": 32})
     with pytest.raises(ValueError, match=r"ep=8: .* dp x cp = 2 x 2 = 4 ranks"):
         Request(gpus=8, global_batch=8, memory_limit=1e9, pin={"dp": 2, "cp": 2, "ep": 8})
 

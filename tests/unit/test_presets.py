@@ -340,3 +340,25 @@ def test_dense_llama_returns_logits_and_loss_is_cross_entropy():
     assert isinstance(logits, torch.Tensor) and logits.shape == (2, 32, 256)
     torch.testing.assert_close(loss_fn(logits, target), F.cross_entropy(logits.reshape(-1, 256), target.reshape(-1)))
     assert isinstance(model, Llama) and llama_loss is loss_fn
+
+
+def test_deepseek_v3_recipe_is_expressible_and_fits():
+    """Issue 50 F2: NVIDIA's bf16 DeepSeek-V3 recipe on 1,024 H100 (TP2 PP16 EP64 DP32, MBS 1,
+    GBS 8192, ZeRO-1) folds its 64 expert ranks over the tp x dp ranks of a stage; the planner
+    prices that layout and it fits 80 GB. Each expert is then held once (dp*tp/ep = 1 copy: no
+    expert gradient reduction), and every rank routes half of its replica's rows."""
+    from autopar.planner import plan_model
+    from autopar.planner.devices import get_profile
+
+    seq = 4096
+    pm = presets.build_preset("deepseek-v3", seq_len=seq)
+    pin = {"tp": 2, "pp": 16, "ep": 64, "dp": 32, "schedule": "1f1b", "zero": 1, "m": 256}
+    res, _info = plan_model(pm.model, pm.inputs, pm.target, pm.loss_fn, gpus=1024, global_batch=8192,
+                            device=get_profile("h100"), memory_limit=80e9, name=pm.name,
+                            layer_repeats=pm.layer_repeats, expert_prefixes=pm.expert_param_prefixes,
+                            n_heads=pm.n_heads, n_experts=pm.n_experts, seq_len=seq, moe=pm.moe, pin=pin)
+    c = res.chosen
+    assert c is not None and c.layout.tp == 2 and c.layout.ep == 64 and c.layout.b == 1
+    assert max(c.estimate.peak_memory) < 80e9
+    ev = res.evaluator.for_tp(2)
+    assert ev.expert_replicas(c.layout) == 1 and ev.fold(c.layout) == 2
