@@ -267,6 +267,13 @@ class ModelProfile:
             self.tp_variants[tp] = hit
         return hit
 
+    @property
+    def foldable(self) -> bool:
+        """Whether its experts may fold over tp ranks: every MoE unit dispatches dropless
+        (priced by its routed rows); a static-capacity block refuses to fold
+        (passes/expert_parallel.py), so with tp > 1 it keeps ep = 1."""
+        return not any(u.kind.dispatch_bytes and u.kind.routed is None for u in self.units)
+
     def shards_at(self, tp: int) -> bool:
         """Whether tensor parallelism at ``tp`` is worth searching: with a share s of the
         forward's time sharded, tp ranks do the useful work of at best 1 / (tp (1 - s) + s) of

@@ -116,8 +116,10 @@ def layouts(profile: ModelProfile, req: Request, reject: Callable[[Layout, str],
             per_replica = req.global_batch // dp
             eps = [1]
             if profile.n_experts and req.allow_ep:
-                # experts folded over the tp ranks (autopar.plan.expert_slots): ep up to dp*cp*tp
-                eps = [e for e in divisors(dp * cp * tp) if profile.n_experts % e == 0]
+                # experts folded over the tp ranks (autopar.plan.expert_slots): ep up to dp*cp*tp;
+                # a static-capacity MoE cannot fold, so with tp > 1 it keeps ep = 1
+                eps = [e for e in divisors(dp * cp * tp) if profile.n_experts % e == 0] \
+                    if tp == 1 or profile.foldable else [1]
             zeros = [z for z in req.zero_levels if z == 0 or dp * cp > 1]
             ms = [m for m in divisors(per_replica) if m <= req.max_microbatches]
             names = ("1f1b",) if pp == 1 else req.schedules

@@ -41,3 +41,27 @@ def test_static_capacity_blocks_refuse_to_fold():
     model = nn.Sequential(autopar.nn.MoE(8, 16, 4, 2, capacity_factor=1.0))
     with pytest.raises(ValueError, match="static capacity"):
         apply_expert_parallel(model, 2, 0, None, fold_group=None, fold=2)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0])
+def test_planner_folds_only_dropless_experts(capacity_factor, monkeypatch):
+    """The search enumerates ep up to dp x cp x tp where the experts can fold (dropless), and
+    keeps ep = 1 beside tp > 1 for a static-capacity MoE (it refuses to fold at build)."""
+    from autopar.examples.llama import LlamaConfig, make_llama
+    from autopar.planner import profile, search
+    from autopar.planner.profile import profile_model
+    from autopar.planner.request import Request
+
+    monkeypatch.setattr(profile, "TP_EFFICIENCY", 0.0)  # the tiny model: search tp whatever it saves
+    cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2, ffn_hidden=64, seq_len=16,
+                      n_experts=4, top_k=2, expert_hidden=48, capacity_factor=capacity_factor)
+    model, inputs, target, loss_fn = make_llama(cfg, batch_size=8)
+    prof = profile_model(model, inputs, target, loss_fn, expert_prefixes=(".experts.",), n_experts=4)
+    lays = list(search.layouts(prof, Request(gpus=4, global_batch=8, memory_limit=80e9), lambda lay, why: None,
+                               max_tp=4))
+    assert {lay.ep for lay in lays if lay.tp == 1} == {1, 2, 4}
+    with_tp = {(lay.tp, lay.dp, lay.ep) for lay in lays if lay.tp > 1}
+    if capacity_factor is None:
+        assert with_tp >= {(2, 2, 4), (2, 1, 2), (4, 1, 4)}, sorted(with_tp)
+    else:
+        assert with_tp and {ep for _tp, _dp, ep in with_tp} == {1}, sorted(with_tp)

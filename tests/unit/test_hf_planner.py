@@ -1,8 +1,8 @@
 """H5: parallelize without a plan considers cp for an HF Llama and ep for an HF Mixtral: the
 planner step of autopar/build.py (choose_plan, for a world of 4) prices layouts with cp > 1
 (the context-parallel pass accepts Llama's masks) and names them in its log; for Mixtral it
-enumerates ep > 1 (its experts are recognized) and tp > 1, the same layouts ``autopar plan
---model`` enumerates (F4)."""
+enumerates ep > 1 (its experts are recognized), tp > 1 and experts folded over tp (ep up to
+dp x cp x tp), the same layouts ``autopar plan --model`` enumerates (F4)."""
 import logging
 
 import pytest
@@ -52,6 +52,10 @@ def test_parallelize_and_autopar_plan_search_the_same_layouts(monkeypatch, caplo
     assert ours == theirs
     assert {(lay.tp, lay.ep) for lay in ours} >= {(1, 1), (2, 1), (1, 2), (2, 2), (4, 1)}, sorted(
         {(lay.tp, lay.ep) for lay in ours})
+    # experts folded over the tp ranks: ep beyond dp x cp (4 over dp=2 x tp=2; 4 over tp=4; 2 over
+    # pp=2 x tp=2 with dp=1), in both searches alike
+    folded = {(lay.tp, lay.dp, lay.cp, lay.ep) for lay in ours if lay.ep > lay.dp * lay.cp}
+    assert folded >= {(2, 2, 1, 4), (4, 1, 1, 4), (2, 1, 1, 2)}, sorted(folded)
     said = [r.getMessage() for r in caplog.records if "autopar planner: searched tp 1,2,4;" in r.getMessage()]
     assert said and "ep 1,2,4" in said[0], [r.getMessage() for r in caplog.records][-10:]
 
