@@ -85,11 +85,9 @@ def matrix_blocks(shape, rows: int) -> list[tuple[int, int]]:
 def _gathered(block: torch.Tensor, group: str, shard) -> torch.Tensor:
     """The whole matrix from every tp rank's ``block`` (``shard``: passes.tensor_parallel.TpShard
     of this rank; ``group``: the tp process group's name)."""
-    import torch.distributed as dist
-
     from autopar.collectives import comms
 
-    parts = comms.all_gather_dim0(block.contiguous(), dist.distributed_c10d._resolve_process_group(group))
+    parts = comms.all_gather_dim0(block.contiguous(), comms.process_group(group))
     return shard.whole(list(parts.chunk(shard.tp, 0)))
 
 
