@@ -67,9 +67,12 @@ def is_view(node: fx.Node) -> bool:
     return False
 
 
-def view_base(node: fx.Node) -> fx.Node:
-    """The node whose storage ``node``'s value holds: its chain of views walked back."""
-    while node.op == "call_function" and is_view(node) and node.all_input_nodes:
+def view_base(node: fx.Node, items: bool = True) -> fx.Node:
+    """The node whose storage ``node``'s value holds: its chain of views walked back (the one
+    view-base walk of the passes and the planner). ``items=False`` stops at an item of a
+    tuple-valued op, counting each item as a storage of its own (the backward's remaking)."""
+    while node.op == "call_function" and is_view(node) and node.all_input_nodes and (
+            items or node.target is not operator.getitem):
         node = node.all_input_nodes[0]
     return node
 

@@ -29,7 +29,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import keys, moe_dispatch, tp_ops, tp_rules
-from .costs import annotate_costs, graph_flops, is_random, is_view, value_bytes
+from .costs import annotate_costs, graph_flops, is_random, is_view, value_bytes, view_base
 from .moe_overlap import spread_dispatch_chains
 from .program import Program, StageInfo, StageProgram
 from .split_stages import StageGraph
@@ -357,9 +357,7 @@ def _recompute_cheap(joint: fx.GraphModule, fwd_set: set[fx.Node], state: set[fx
     order = {n: k for k, n in enumerate(graph.nodes)}
 
     def base(n: fx.Node) -> fx.Node:
-        while n.op == "call_function" and n.target is not operator.getitem and is_view(n) and n.all_input_nodes:
-            n = n.all_input_nodes[0]
-        return n
+        return view_base(n, items=False)
 
     def cost(b: fx.Node) -> float:
         return 0.0 if b in state or (b.op != "placeholder" and b not in fwd_set) else value_bytes(b.meta.get("val"))

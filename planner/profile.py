@@ -453,9 +453,7 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                 k, v = n.all_input_nodes[1:3]
                 grouped_kv.append((hk, float(k.meta.get("autopar_bytes", 0) + v.meta.get("autopar_bytes", 0))))
         elif expert_ph and n.target in (torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default):
-            w = n.args[-1]
-            while isinstance(w, fx.Node) and w.op == "call_function" and _is_view(w):
-                w = w.all_input_nodes[0]
+            w = _base(n.args[-1]) if isinstance(n.args[-1], fx.Node) else n.args[-1]
             if isinstance(w, fx.Node) and w.name in expert_ph and isinstance(n.args[-2], fx.Node):
                 dispatch = max(dispatch, float(n.args[-2].meta.get("autopar_bytes", 0)))
     # dispatch: the largest expert input buffer of the unit, sent out and combined back once per MoE
