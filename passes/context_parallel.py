@@ -143,7 +143,6 @@ from .cp_rules import (
 
 log = logging.getLogger("autopar")
 aten = torch.ops.aten
-_c10d = torch.ops._c10d_functional
 
 def apply_context_parallel(captured: CapturedGraph, cp: int, cp_rank: int, group) -> CapturedGraph:
     """Rewrite ``captured`` (captured on sequence shard ``cp_rank`` of ``cp``) for Ulysses CP.

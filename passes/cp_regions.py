@@ -4,7 +4,6 @@ role of each dim along the sequence (query position, key position, absolute inde
 mask is causal, and where positions are picked (passes/context_parallel.py describes the pass)."""
 from __future__ import annotations
 
-import logging
 import math
 import operator
 
@@ -38,9 +37,7 @@ from .cp_rules import (
     _where,
 )
 
-log = logging.getLogger("autopar")
 aten = torch.ops.aten
-_c10d = torch.ops._c10d_functional
 
 
 def _region_op(node: fx.Node) -> bool:

@@ -3,7 +3,6 @@ Ulysses all-to-alls around each attention, masks rebuilt for the whole sequence,
 offset to the rank's shard (passes/context_parallel.py describes the pass)."""
 from __future__ import annotations
 
-import logging
 import operator
 
 import torch
@@ -27,7 +26,6 @@ from .cp_rules import (
     kv_repeats,
 )
 
-log = logging.getLogger("autopar")
 aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 

@@ -4,7 +4,6 @@ and the checks and argument helpers the analysis and the rewrite share (passes/c
 describes the pass)."""
 from __future__ import annotations
 
-import logging
 import math
 import operator
 from dataclasses import dataclass, field
@@ -18,9 +17,7 @@ from . import op_semantics
 from .captured import CapturedGraph
 from .provenance import module_path, op_name, source_of
 
-log = logging.getLogger("autopar")
 aten = torch.ops.aten
-_c10d = torch.ops._c10d_functional
 
 
 # Attention ops this pass rewrites. q, k, v are their first three arguments, [B, H, S, D];

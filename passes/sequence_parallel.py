@@ -47,7 +47,6 @@ from .tp_ops import ALL_GATHER, COPY, GATHER, REDUCE, REDUCE_SCATTER, SPLIT
 from .tp_rules import _NoRule, _rule, _tensor_args, _val, _where, is_elementwise, replicated_reads
 
 log = logging.getLogger("autopar")
-aten = torch.ops.aten
 
 
 # -- the analysis ---------------------------------------------------------------------------------------------------

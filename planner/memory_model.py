@@ -67,9 +67,9 @@ class MemoryModel:
 
     @staticmethod
     def fold(lay: Layout) -> int:
-        """The tp ranks that split a replica's routed rows (experts folded over them: tp > 1 and
-        ep > 1; runtime/mesh.py), else 1."""
-        return lay.tp if lay.tp > 1 and lay.ep > 1 else 1
+        """The tp ranks that split a replica's routed rows (experts folded over them,
+        ``autopar.plan.expert_slots``; runtime/mesh.py), else 1."""
+        return expert_slots(lay.dp, lay.cp, lay.tp, lay.ep) // (lay.dp * lay.cp)
 
     def routed(self, kind: UnitKind, lay: Layout) -> tuple[float, float]:
         """(mean, worst rank) bytes the unit's token-proportional MoE dispatch keeps from F to W

@@ -39,7 +39,6 @@ math path that would keep the T x T scores.
 """
 from __future__ import annotations
 
-import logging
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -59,8 +58,6 @@ from .programs import Program, is_attention_fwd, live_set, program_of, storage_b
 from .routed import RoutedInfo, check_moe, routed_of
 from .tp_share import TP_EFFICIENCY, TP_WORTH, TpShare, with_tp_shares
 from .unit_timer import UnitTimer
-
-log = logging.getLogger("autopar")
 
 
 @dataclass(frozen=True)

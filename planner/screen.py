@@ -176,7 +176,7 @@ class _Screen:
         key = (pp, dp, cp, ep, zero)
         hit = self._fam.get(key)
         if hit is None:
-            lay = Layout(pp, dp, cp, ep, "1f1b", 1, 1, 1, zero, tp=getattr(self.ev, "tp", 1))
+            lay = Layout(pp, dp, cp, ep, "1f1b", 1, 1, 1, zero, tp=self.ev.tp)
             static, n_all, n_exp = self._static_sums(lay)
             red = self.ev.reduction_bytes(lay, n_all / pp, n_exp / pp)[1]
             hit = self._fam[key] = (static / pp + self.overhead, red, static / pp)

@@ -72,8 +72,7 @@ class TimeModel:
             hit = self._links[key] = {
                 "cp": comm.group_link(d, lay.cp, t), "dp": comm.group_link(d, lay.dp * lay.cp, t),
                 "pp": comm.group_link(d, lay.pp, lay.dp * lay.cp * t), "tp": comm.group_link(d, t, 1)}
-            # the ep group's slots are consecutive ranks when folded over tp, else t apart
-            slot = 1 if self.fold(lay) > 1 else t
+            slot = self._ep_stride(lay)
             hit.update(ep=comm.group_link(d, lay.ep, slot),
                        edp=comm.group_link(d, self.expert_replicas(lay), lay.ep * slot))
         return hit
@@ -82,10 +81,14 @@ class TimeModel:
         """One expert-parallel all-to-all of ``nbytes`` per rank, its intra- and inter-node parts
         apart (``comm.group_all_to_all_time``; the ep group's slots are consecutive ranks when
         folded over tp, else tp apart); on the ``cpu`` profile gloo's all-to-all over one link."""
-        slot = 1 if self.fold(lay) > 1 else lay.tp
         if self.device.name == "cpu":
             return comm.all_to_all_time(nbytes, lay.ep, self.links(lay)["ep"])
-        return comm.group_all_to_all_time(self.device, nbytes, lay.ep, slot)
+        return comm.group_all_to_all_time(self.device, nbytes, lay.ep, self._ep_stride(lay))
+
+    def _ep_stride(self, lay: Layout) -> int:
+        """Global ranks between consecutive members of an ep group: its slots are consecutive
+        ranks when folded over tp, else the same tp rank of consecutive replicas, tp apart."""
+        return 1 if self.fold(lay) > 1 else lay.tp
 
     @staticmethod
     def _time_key(kind: UnitKind, lay: Layout) -> tuple:

@@ -81,7 +81,7 @@ class Mesh:
         """Experts folded over the tensor-parallel ranks (tp > 1 and ep > 1): a stage's experts are
         sharded over its dp*cp*tp ranks, the tp ranks of a replica being expert ranks of their own
         (each routes its share of the replica's tokens) instead of replicas of one another."""
-        return self.ep > 1 and self.tp > 1
+        return expert_slots(self.dp, self.cp, self.tp, self.ep) > self.replicas
 
     @property
     def expert_slot(self) -> int:

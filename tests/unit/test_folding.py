@@ -19,19 +19,18 @@ def test_plans_fold_ep_over_tp_and_name_the_product():
         check_degrees(1, 2, 1, 8, 4, tp=2)
 
 
-@pytest.mark.parametrize("pp, dp, tp, ep, want", [
-    # (ep rank, expert-data-parallel index) of every global rank
-    (1, 2, 2, 4, [(0, 0), (1, 0), (2, 0), (3, 0)]),                 # one ep group: all 4 ranks
-    (1, 2, 2, 2, [(0, 0), (1, 0), (0, 1), (1, 1)]),                 # each replica's tp ranks; 2 copies
-    (2, 1, 2, 2, [(0, 0), (1, 0), (0, 0), (1, 0)]),                 # per stage: its 2 tp ranks
-    (1, 4, 1, 2, [(0, 0), (1, 0), (0, 1), (1, 1)]),                 # no tp: replicas, as before
-    (1, 2, 2, 1, [(0, 0), (0, 0), (0, 1), (0, 1)]),                 # ep=1: not folded, replicas
+@pytest.mark.parametrize("pp, dp, tp, ep, want, copies, folded", [
+    # (ep rank, expert-data-parallel index) of every global rank; ranks holding the same experts
+    (1, 2, 2, 4, [(0, 0), (1, 0), (2, 0), (3, 0)], 1, True),     # one ep group: all 4 ranks
+    (1, 2, 2, 2, [(0, 0), (1, 0), (0, 1), (1, 1)], 2, True),     # each replica's tp ranks
+    (2, 1, 2, 2, [(0, 0), (1, 0), (0, 0), (1, 0)], 1, True),     # per stage: its 2 tp ranks
+    (1, 4, 1, 2, [(0, 0), (1, 0), (0, 1), (1, 1)], 2, False),    # no tp: replicas, as before
+    (1, 2, 2, 1, [(0, 0), (0, 0), (0, 1), (0, 1)], 2, False),    # ep=1: not folded, replicas
 ])
-def test_expert_ranks_of_a_folded_mesh(pp, dp, tp, ep, want):
+def test_expert_ranks_of_a_folded_mesh(pp, dp, tp, ep, want, copies, folded):
     meshes = [Mesh(pp=pp, dp=dp, tp=tp, ep=ep, rank=r) for r in range(pp * dp * tp)]
     assert [(m.ep_rank, m.expert_replica) for m in meshes] == want
-    assert all(m.folded == (tp > 1 and ep > 1) for m in meshes)
-    copies = dp * (tp if ep > 1 else 1) // ep
+    assert {m.folded for m in meshes} == {folded}
     assert {m.expert_replicas for m in meshes} == {copies}
 
 
