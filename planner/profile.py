@@ -155,8 +155,10 @@ class UnitKind:
         return (self.work_bytes * scale + min(self.loss_chunk, self.loss_tokens * scale) * self.loss_chunk_row_bytes
                 + self.loss_fixed_bytes)
 
-    def times(self, device, scale: float) -> tuple[float, float, float]:
-        """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch.
+    def times(self, device, scale: float, ep: int = 1) -> tuple[float, float, float]:
+        """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch, on a rank
+        of an expert-parallel group of ``ep`` (it reads and writes 1/ep of the expert weights:
+        ``Program.expert_bytes``).
 
         On the measured ``cpu`` profile (this machine) a unit captured on real tensors is
         priced from its own programs, timed here on first use (``UnitTimer``: every distinct
@@ -175,13 +177,13 @@ class UnitKind:
         152 nodes, F at 1/2/4/8 samples: 6.1/8.5/12.7/24.0 ms, i.e. ~3.5 ms fixed), so scaling
         one point with the microbenchmark's overhead misprices small microbatches by ~2x.
         """
-        f, i, w = self._unscaled_times(device, scale)
+        f, i, w = self._unscaled_times(device, scale, ep)
         return f * self.time_scale, i * self.time_scale, w * self.time_scale
 
-    def _unscaled_times(self, device, scale: float) -> tuple[float, float, float]:
+    def _unscaled_times(self, device, scale: float, ep: int) -> tuple[float, float, float]:
         m = self._measurement(device)
         if m is None:
-            return self.f.time(device, scale), self.i.time(device, scale), self.w.time(device, scale)
+            return self.f.time(device, scale, ep), self.i.time(device, scale, ep), self.w.time(device, scale, ep)
         first, second, ratio = m
         out = []
         for j, prog in enumerate((self.f, self.i, self.w)):
@@ -458,7 +460,8 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
     # gradients it returns; the forward's rise above what it leaves behind (saved + outputs)
     b_peak, _ = live_set(sp.b.gm, sp.b.results, skip=(keys.GPARAM,))
     f_peak, f_end = live_set(sp.f.gm, sp.f.results)
-    return UnitKind(kind=label, f=program_of(sp.f.gm), i=program_of(sp.i.gm), w=program_of(sp.w.gm),
+    return UnitKind(kind=label, f=_program(sp.f, expert_names), i=_program(sp.i, expert_names),
+                    w=_program(sp.w, expert_names),
                     saved_bytes=saved, saved_after_i=after_i,
                     in_bytes=in_bytes, out_bytes=out_bytes, params=int(params), param_tensors=n_state,
                     small_params=int(small),
@@ -467,6 +470,22 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     work_bytes=max(b_peak, f_peak - f_end), measure=measure, saved_w_only=w_only,
                     grouped_kv=tuple(grouped_kv),
                     **{"muon_" + k: v for k, v in muon.items()})
+
+
+def _program(prog, is_expert: Callable[[str], bool]) -> Program:
+    """``program_of`` one stage program, told which of its inputs are expert weights and which
+    of its results their gradients (their bytes are 1/ep on an expert-parallel rank)."""
+    from autopar.passes import keys
+
+    nodes = list(prog.gm.graph.nodes)
+    phs = [n for n in nodes if n.op == "placeholder"]
+    experts = frozenset(n.name for n, k in zip(phs, prog.args)
+                        if keys.is_kind(k, keys.PARAM) and is_expert(keys.name_of(k, keys.PARAM)))
+    ret = next(n for n in nodes if n.op == "output").args[0]
+    vals = ret if isinstance(ret, (tuple, list)) else (ret,)
+    grads = frozenset(v.name for v, k in zip(vals, prog.results) if isinstance(v, fx.Node)
+                      and keys.is_kind(k, keys.GPARAM) and is_expert(keys.name_of(k, keys.GPARAM)))
+    return program_of(prog.gm, experts, grads)
 
 
 def attention_heads(gm: torch.fx.GraphModule) -> int:

@@ -30,21 +30,28 @@ class Program:
     bytes_moved: tuple[float, ...]
     dtypes: tuple[str, ...]
     views: tuple[bool, ...]
+    # per node, the part of ``bytes_moved`` that is expert weights read (and, in W, their
+    # gradients written): once per program whatever the microbatch, and an expert-parallel rank
+    # holds 1/ep of them (it runs the same rows through its own experts); () where none
+    expert_bytes: tuple[float, ...] = ()
 
     @property
     def total_flops(self) -> float:
         return float(sum(self.flops))
 
-    def time(self, device, scale: float) -> float:
-        """Seconds on ``device`` when the work is ``scale`` times the captured microbatch's.
+    def time(self, device, scale: float, ep: int = 1) -> float:
+        """Seconds on ``device`` when the work is ``scale`` times the captured microbatch's, on
+        a rank of an expert-parallel group of ``ep``.
 
         Every node costs ``op_overhead_s`` plus max(compute, memory traffic); both terms scale
-        with the work, so a program is ``const + scale * slope`` (computed once per device).
+        with the work, except the expert weights a node reads or writes (``expert_bytes``):
+        those are moved once and are 1/ep of the captured ones. So a program is ``const +
+        scale * slope`` plus its expert nodes (computed once per device).
         """
-        const, slope = self._linear(device)
-        return const + scale * slope
+        const, slope, experts = self._linear(device)
+        return const + scale * slope + sum(max(c * scale, m * scale + e / ep) for c, m, e in experts)
 
-    def _linear(self, device) -> tuple[float, float]:
+    def _linear(self, device) -> tuple[float, float, tuple]:
         cache = self.__dict__.setdefault("_by_device", {})
         key = (device.name, device.op_overhead_s, device.mem_bandwidth, device.mem_efficiency,
                device.flops_efficiency, tuple(sorted(device.peak_flops.items())))
@@ -52,9 +59,11 @@ class Program:
         if hit is None:
             rates = {dt: device.flops_rate(dt) for dt in set(self.dtypes)}
             bw = device.mem_bandwidth * device.mem_efficiency
-            slope = sum(max(f / rates[dt], b / bw) for f, b, dt, v in
-                        zip(self.flops, self.bytes_moved, self.dtypes, self.views) if not v)
-            hit = cache[key] = (device.op_overhead_s * len(self.flops), slope)
+            fixed = self.expert_bytes or (0.0,) * len(self.flops)
+            nodes = [(f / rates[dt], (b - e) / bw, e / bw) for f, b, dt, v, e in
+                     zip(self.flops, self.bytes_moved, self.dtypes, self.views, fixed) if not v]
+            slope = sum(max(c, m) for c, m, e in nodes if not e)
+            hit = cache[key] = (device.op_overhead_s * len(self.flops), slope, tuple(n for n in nodes if n[2]))
         return hit
 
 
@@ -64,6 +73,11 @@ def _float_val(node: fx.Node):
     return next((v for v in vals if isinstance(v, torch.Tensor) and v.is_floating_point()), None)
 
 
+def _list_args(n: fx.Node) -> set[int]:
+    """The ids of the nodes ``n`` takes inside list arguments (a dispatch op's parameter list)."""
+    return {id(a) for x in n.args if isinstance(x, (list, tuple)) for a in x if isinstance(a, fx.Node)}
+
+
 def _dispatch_bytes_and_dtype(n: fx.Node, flops: float) -> tuple[float, str]:
     """A dropless MoE dispatch op's (``moe_dispatch.is_dispatch_node``) memory traffic and
     compute dtype. Its parameter list is an argument of several ops of the chain (for autograd
@@ -71,7 +85,7 @@ def _dispatch_bytes_and_dtype(n: fx.Node, flops: float) -> tuple[float, str]:
     computes with them (the one carrying FLOPs: the forward's GEMMs, W's gradient GEMMs, whose
     outputs are the gradients); the other ops move rows and handles (scalar int64 results), so
     the dtype is the rows': the first floating value upstream."""
-    lists = {id(a) for x in n.args if isinstance(x, (list, tuple)) for a in x if isinstance(a, fx.Node)}
+    lists = _list_args(n)
     moved = float(n.meta.get("autopar_bytes", 0))
     moved += sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes if id(a) not in lists or flops)
     seen, todo = set(), [n]
@@ -87,20 +101,36 @@ def _dispatch_bytes_and_dtype(n: fx.Node, flops: float) -> tuple[float, str]:
     return moved, "float32"
 
 
-def program_of(gm: fx.GraphModule) -> Program:
+def program_of(gm: fx.GraphModule, experts: frozenset = frozenset(), expert_grads: frozenset = frozenset()) -> Program:
+    """``gm`` as the cost model sees it; ``experts``: the names of its placeholders holding
+    expert weights, ``expert_grads``: of the values it returns, the names of the expert weights'
+    gradients (``Program.expert_bytes``)."""
     from autopar.passes.moe_dispatch import is_dispatch_node
 
-    flops, moved, dtypes, views = [], [], [], []
+    flops, moved, dtypes, views, fixed = [], [], [], [], []
+    written: dict[str, float] = {}  # a gradient's bytes on the op producing it (items of a tuple op included)
+    if expert_grads:
+        for n in gm.graph.nodes:
+            if n.name in expert_grads:
+                base = _base(n)
+                written[base.name] = written.get(base.name, 0.0) + float(n.meta.get("autopar_bytes", 0))
+
+    def read(n: fx.Node, lists: set) -> float:
+        return sum(float(a.meta.get("autopar_bytes", 0)) for a in n.all_input_nodes
+                   if _base(a).name in experts and (id(a) not in lists or n.meta.get("autopar_flops", 0)))
+
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if is_dispatch_node(n):
             f = float(n.meta.get("autopar_flops", 0))
             b, dt = _dispatch_bytes_and_dtype(n, f)
+            lists = _list_args(n)
             flops.append(f)
             moved.append(b)
             dtypes.append(dt)
             views.append(False)
+            fixed.append(min(b, read(n, lists) + written.get(n.name, 0.0)) if experts or written else 0.0)
             continue
         out = n.meta.get("autopar_bytes", 0)
         ins = sum(a.meta.get("autopar_bytes", 0) for a in n.all_input_nodes)
@@ -112,7 +142,10 @@ def program_of(gm: fx.GraphModule) -> Program:
         moved.append(float(out + ins))
         dtypes.append(dt)
         views.append(_is_view(n))
-    return Program(tuple(flops), tuple(moved), tuple(dtypes), tuple(views))
+        fixed.append(0.0 if views[-1] or not (experts or written)
+                     else min(float(out + ins), read(n, set()) + written.get(n.name, 0.0)))
+    return Program(tuple(flops), tuple(moved), tuple(dtypes), tuple(views),
+                   tuple(fixed) if any(fixed) else ())
 
 
 def storage_bytes(nodes: Sequence[fx.Node], param_like: set[str]) -> float:

@@ -305,7 +305,7 @@ def plan(profile: ModelProfile, device, req: Request, progress: Callable[[str], 
     if not pool:
         pool = sorted((c for c in todo if c.status == "oom"), key=lambda c: c.peak)[: req.top_ilp]
     t_ilp = time.perf_counter()
-    ilp_runs = [_refine(ev, c, req) for c in pool]
+    ilp_runs = _refine_all(ev, pool, req)
     solver_s = time.perf_counter() - t_ilp
     say(f"solved {len(ilp_runs)} stage-boundary ILPs in {solver_s:.2f} s (at most {req.ilp_nodes:,} "
         f"branch-and-bound nodes each: {', '.join(sorted(set(r.status for r in ilp_runs))) or 'none'})")
@@ -507,7 +507,8 @@ def _classify(c: Candidate) -> None:
         c.status, c.reason = "oom", f"OOM on rank {r} by {over / GiB:.2f} GiB"
 
 
-def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
+def _ilp_input(ev: Evaluator, c: Candidate) -> tuple:
+    """(evaluator, layout, schedule, I-free fraction) of the stage-boundary ILP of ``c``."""
     ev = evaluator_of(ev, c)
     lay = c.priced_layout
     if c.estimate is None:  # found OOM before timing: price it now, the ILP starts from it
@@ -519,15 +520,40 @@ def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
             sched = registry.build("zb-h1", lay.pp, lay.m, lay.v)
         except ValueError:
             pass  # zb-h1 does not take this (pp, m, v): keep the zb-auto order just priced
-    frac = ev.i_free_fraction(c.estimate.partition)
-    res = solve_partition(ev, lay, sched, frac, max_nodes=req.ilp_nodes, warm=c.estimate.partition)
+    return ev, lay, sched, ev.i_free_fraction(c.estimate.partition)
+
+
+def _adopt(ev: Evaluator, c: Candidate, res: ILPResult) -> ILPResult:
+    """Keep the ILP's boundaries where they fit and beat the candidate's."""
     c.ilp = res
     if res.partition is not None:
-        est = ev.evaluate(lay, res.partition)
+        est = evaluator_of(ev, c).evaluate(c.priced_layout, res.partition)
         if est.feasible and (not c.estimate.feasible or est.step_time < c.estimate.step_time):
             c.estimate = est
             _classify(c)
     return res
+
+
+def _refine(ev: Evaluator, c: Candidate, req: Request) -> ILPResult:
+    e, lay, sched, frac = _ilp_input(ev, c)
+    return _adopt(ev, c, solve_partition(e, lay, sched, frac, max_nodes=req.ilp_nodes, warm=c.estimate.partition))
+
+
+def _refine_all(ev: Evaluator, pool: list[Candidate], req: Request) -> list[ILPResult]:
+    """``_refine`` every candidate of ``pool``, their solves at once: CBC runs each in a process of
+    its own (one thread, a node budget), so on a multi-core machine the solves overlap; the
+    inputs and the adoption stay in order here, so the answer is the same as one by one."""
+    inputs = [_ilp_input(ev, c) for c in pool]
+    if len(pool) < 2:
+        return [_adopt(ev, c, solve_partition(*x, max_nodes=req.ilp_nodes, warm=c.estimate.partition))
+                for c, x in zip(pool, inputs)]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(pool)) as pool_:
+        futures = [pool_.submit(solve_partition, *x, max_nodes=req.ilp_nodes, warm=c.estimate.partition)
+                   for c, x in zip(pool, inputs)]
+        results = [f.result() for f in futures]
+    return [_adopt(ev, c, r) for c, r in zip(pool, results)]
 
 
 def price(ev: Evaluator, lay: Layout, req: Request | None = None, refine: bool = True) -> Candidate:

@@ -100,7 +100,7 @@ class TimeModel:
         if hit is not None:
             return hit
         sc = self.scale(lay)
-        f, i, w = kind.times(self.device, sc)
+        f, i, w = kind.times(self.device, sc, lay.ep)
         links = self.links(lay)
         n_red, red_bytes, tp = kind.tp_comm
         if tp > 1:

@@ -84,6 +84,11 @@ def test_user_dropless_moe_priced_from_its_dispatch_ops():
     assert len(moes) == 2 and all(u.kind.routed is None for u in prof.units if not u.kind.expert_params)
     r = moes[0].routed
     assert (r.rows, r.row_bytes, r.flops_per_row, r.dtype) == (batch * seq * k, d * 4, 6 * d * h, "float32")
+    # the experts' weights the programs move (4 SwiGLU experts: three [d, h] fp32 matrices each):
+    # F and I read them once (the forward GEMMs, the input-gradient GEMMs), W reads them (its
+    # re-walk) and writes their gradients; a rank of an ep group moves 1/ep of them
+    weights = 4 * 3 * d * h * 4
+    assert [sum(p.expert_bytes) for p in (moes[0].f, moes[0].i, moes[0].w)] == [weights, weights, 2 * weights]
     dev = get_profile("h100")
     ev = Evaluator(prof, dev, 80e9, 8)
     one, two = (Layout(1, 2, 1, ep, "1f1b", 1, 1, batch, 0) for ep in (1, 2))
@@ -92,7 +97,12 @@ def test_user_dropless_moe_priced_from_its_dispatch_ops():
     imb = ev.moe_imbalance
     a2a = 2 * all_to_all_time(r.rows * imb * r.row_bytes, 2, ev.links(two)["ep"])
     extra = (imb - 1) * r.rows * r.flops_per_row / dev.flops_rate("float32")
-    assert f2 - f1 == pytest.approx(a2a + extra, rel=1e-9) and w2 - w1 == pytest.approx(extra, rel=1e-9)
+
+    def fewer(k, ep):  # the programs' time saved by moving 1/ep of the expert weights
+        return [k.time_scale * (p.time(dev, 1.0, ep) - p.time(dev, 1.0, 1)) for p in (k.f, k.i, k.w)]
+
+    assert f2 - f1 == pytest.approx(a2a + extra + fewer(moes[0], 2)[0], rel=1e-9)
+    assert w2 - w1 == pytest.approx(extra + fewer(moes[0], 2)[2], rel=1e-9)
     # the routed state is held from F to W: the mean in the unit's saved bytes, the worst rank's above it
     (a1, b1), (a2, b2) = ev.unit_saved(moes[0], one), ev.unit_saved(moes[0], two)
     assert a1 >= r.rows * r.saved_row_bytes and b1 >= r.rows * (r.saved_row_bytes + r.row_bytes)
@@ -115,9 +125,10 @@ def test_user_dropless_moe_priced_from_its_dispatch_ops():
     a2a = 2 * all_to_all_time(rt.rows / 2 * imb * rt.row_bytes, 4, links["ep"])
     extra = (imb - 1) * rt.rows / 2 * rt.flops_per_row / rate
     (fp, ip, wp), (ff, fi, fw) = ev2.unit_times(kind, plain), ev2.unit_times(kind, folded)
-    assert ff - fp == pytest.approx(-half + gather + a2a + extra, rel=1e-9)
-    assert fi - ip == pytest.approx(-half + gather + a2a + extra, rel=1e-9)
-    assert fw - wp == pytest.approx(-1.5 * half + extra, rel=1e-9)
+    df, di, dw = fewer(kind, 4)
+    assert ff - fp == pytest.approx(-half + gather + a2a + extra + df, rel=1e-9)
+    assert fi - ip == pytest.approx(-half + gather + a2a + extra + di, rel=1e-9)
+    assert fw - wp == pytest.approx(-1.5 * half + extra + dw, rel=1e-9)
     (sp, _), (sf, _) = ev2.unit_saved(kind, plain), ev2.unit_saved(kind, folded)
     assert sf - sp == pytest.approx((imb - 1) * rt.rows / 2 * rt.saved_row_bytes, rel=1e-9)
 

@@ -102,6 +102,20 @@ def toy():
     return prof, dev
 
 
+def test_expert_weights_are_moved_once_and_split_over_ep(toy):
+    """A node's expert-weight bytes (``Program.expert_bytes``) are moved once per program, not
+    per sample, and a rank of an ep group moves 1/ep of them (hand-derived on the toy device:
+    1e12 FLOP/s, 1e11 B/s, 10 us a node)."""
+    _, dev = toy
+    prog = Program(flops=(1e6,), bytes_moved=(3e6,), dtypes=("float32",), views=(False,), expert_bytes=(2e6,))
+    # ep=1, scale 1: 10 us + max(1 us, 3e6 / 1e11 = 30 us)
+    assert prog.time(dev, 1.0) == pytest.approx(4.0e-5, rel=1e-12)
+    # ep=4, scale 2: the 1 MB of rows twice, the 2 MB of weights a quarter: 10 us + max(2 us, 25 us)
+    assert prog.time(dev, 2.0, 4) == pytest.approx(3.5e-5, rel=1e-12)
+    # scale 100, ep=4: 10 us + max(100 us, (1e8 + 5e5) / 1e11 = 1005 us)
+    assert prog.time(dev, 100.0, 4) == pytest.approx(1e-5 + 1.005e-3, rel=1e-12)
+
+
 def _hand_pp1():
     """pp=1 dp=1, 1f1b, m=2 microbatches of 2: one stage holding both units, n = 2M parameters."""
     n = 2 * _P

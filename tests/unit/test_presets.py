@@ -362,3 +362,6 @@ def test_deepseek_v3_recipe_is_expressible_and_fits():
     assert max(c.estimate.peak_memory) < 80e9
     ev = res.evaluator.for_tp(2)
     assert ev.expert_replicas(c.layout) == 1 and ev.fold(c.layout) == 2
+    # the recipe's published step: 52.0 s, 16.55% MFU (bf16, Megatron-Core); the prediction is
+    # within 20% of it (each rank reads the weights of its 4 experts, not all 256)
+    assert 0.8 * 0.1655 <= c.estimate.mfu <= 1.2 * 0.1655, c.estimate.mfu
