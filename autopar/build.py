@@ -386,7 +386,8 @@ def make_programs(*, stages: list, schedule, plan: Plan, mesh, trainable: set[st
 
     t0 = time.perf_counter()
     held = None if mesh is None else set(schedule.stages_of(mesh.pp_rank))
-    programs = stage_programs(stages, trainable, held=held, recompute=plan.recompute)
+    programs = stage_programs(stages, trainable, held=held, recompute=plan.recompute,
+                              remake={s for s in range(len(stages)) if plan.remakes(s)})
     log.info("autopar: split backward into F/I/W for %d of %d stages in %.2fs",
              len(stages) if held is None else len(held), len(stages), time.perf_counter() - t0)
     return programs

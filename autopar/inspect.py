@@ -27,8 +27,15 @@ def stage_rows(programs, schedule) -> list[dict]:
                                if n.op == "placeholder" and n.name in _param_placeholders(st)),
             "fwd_gflop": prog.f.flops / 1e9, "i_gflop": prog.i.flops / 1e9, "w_gflop": prog.w.flops / 1e9,
             "saved_bytes": prog.saved_bytes, "bytes_in": st.bytes_in, "bytes_out": st.bytes_out,
+            "backward": _backward_mode(prog),
         })
     return rows
+
+
+def _backward_mode(prog) -> str:
+    """What F keeps for the backward: "recompute" (its inputs; I replays the forward), "remake"
+    (element-wise values made again in I and W: ``Plan.remake``) or "keep" (every value it reads)."""
+    return "recompute" if prog.recompute else "remake" if getattr(prog, "remake", False) else "keep"
 
 
 def _param_placeholders(st) -> set[str]:
@@ -75,21 +82,22 @@ def stage_table(programs, schedule=None, rows: list[dict] | None = None, routes:
     """``routes``: the optimizer's routing (``autopar.Muon``): a column counts each stage's
     parameters it steps with Muon. ``offloaded``: per stage this process runs, the bytes the
     activation offload (``Plan.offload``) copied to the host in the last step: an
-    "offload/step" column."""
+    "offload/step" column. The "backward" column says what each stage's F keeps for the
+    backward: "keep", "remake" (``Plan.remake``) or "recompute"."""
     rows = stage_rows(programs, schedule) if rows is None else sorted(rows, key=lambda r: r["stage"])
     resident = all("resident_bytes" in r for r in rows) and rows
     muon = {p.stage.index: sum(1 for f in p.stage.params if f in routes and routes[f].muon)
             for p in programs if hasattr(p, "f")} if routes else None
     head = f"{'stage':>5} {'rank':>4} {'params':>6} " + (f"{'muon':>5} " if muon else "") + \
            f"{'param mem':>10} {'F GFLOP':>8} {'I GFLOP':>8} {'W GFLOP':>8} " \
-           f"{'saved/mb':>10} " + (f"{'offload/step':>12} " if offloaded is not None else "") + \
+           f"{'saved/mb':>10} {'backward':>9} " + (f"{'offload/step':>12} " if offloaded is not None else "") + \
            f"{'bytes in':>10} {'bytes out':>10}" + (f" {'rank holds':>10}" if resident else "")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r['stage']:>5} {r['rank']:>4} {r['params']:>6} "
                      + (f"{muon.get(r['stage'], 0):>5} " if muon else "") + f"{_fmt_bytes(r['param_bytes']):>10} "
                      f"{r['fwd_gflop']:>8.4f} {r['i_gflop']:>8.4f} {r['w_gflop']:>8.4f} "
-                     f"{_fmt_bytes(r['saved_bytes']):>10} "
+                     f"{_fmt_bytes(r['saved_bytes']):>10} {r.get('backward', '?'):>9} "
                      + (f"{_fmt_bytes(offloaded.get(r['stage'], 0)):>12} " if offloaded is not None else "")
                      + f"{_fmt_bytes(r['bytes_in']):>10} "
                      f"{_fmt_bytes(r['bytes_out']):>10}"

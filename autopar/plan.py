@@ -45,6 +45,13 @@ class Plan:
     code; a program that cannot be compiled runs op by op, and the log says which and why.
     Training then equals eager within the compiled tolerance of design.md (fp32 reductions may
     be fused and reordered); False (the default): op by op.
+    ``remake``: the stages whose backward makes element-wise values and casts (a SwiGLU's
+    ``silu(gate) * up``, a norm's fp32 copy) again from what F keeps, instead of F keeping them
+    (passes/split_backward.py ``_recompute_cheap``): less activation memory for some
+    memory-bound work in I and W, bitwise the same values. True: every stage; False: none; a
+    tuple: those stage indices; None (the default): every stage when ``compile`` (the remade
+    ops fuse into the kernels that read them), none otherwise. A recomputing stage keeps only
+    its inputs either way. The planner turns it on where memory binds.
     """
 
     pp: int = 1
@@ -64,6 +71,7 @@ class Plan:
     tp: int = 1
     sequence_parallel: bool = False
     compile: bool = False
+    remake: bool | tuple[int, ...] | None = None
 
     def __post_init__(self):
         for name in ("pp", "dp", "cp", "ep", "tp"):
@@ -115,10 +123,28 @@ class Plan:
             object.__setattr__(self, "stage_cuts", tuple(self.stage_cuts))
         if self.stages_per_rank is None:
             object.__setattr__(self, "stages_per_rank", default_stages_per_rank(self.schedule))
+        r = self.remake
+        if isinstance(r, (tuple, list)):
+            bad = [s for s in r if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < self.num_stages]
+            if bad:
+                raise ValueError(f"autopar.Plan: remake={tuple(r)!r} names stages {bad} outside "
+                                 f"0..{self.num_stages - 1} "
+                                 f"(the plan has {self.num_stages} stages); give stage indices, True, False or None")
+            object.__setattr__(self, "remake", tuple(sorted(set(r))))
+        elif r is not None and not isinstance(r, bool):
+            raise ValueError(f"autopar.Plan: remake={r!r} must be True (every stage), False (none), a tuple of stage "
+                             "indices, or None (every stage when compiled, none otherwise)")
         if isinstance(self.offload, tuple) and len(self.offload) != self.num_stages:
             raise ValueError(f"autopar.Plan: offload has {len(self.offload)} fractions but the plan has "
                              f"{self.num_stages} stages (pp {self.pp} x {self.stages_per_rank} per rank); give one "
                              "per stage, or one number for all")
+
+    def remakes(self, stage: int) -> bool:
+        """Whether the backward of ``stage`` makes element-wise values again (``remake``)."""
+        r = self.remake
+        if r is None:
+            return self.compile
+        return r if isinstance(r, bool) else stage in r
 
     def offload_of(self, stage: int) -> float:
         """The offload fraction of one stage."""
@@ -152,6 +178,8 @@ class Plan:
             [("compiled (Inductor)", True)] if self.compile else []) + [("schedule", self.schedule),
                 ("stages per rank", self.stages_per_rank), ("stages", self.num_stages),
                 ("microbatches", self.num_microbatches), ("recompute stages", list(self.recompute) or "none"),
+                ("remake stages", [s for s in range(self.num_stages) if self.remakes(s) and s not in self.recompute]
+                 or "none"),
                 ("ZeRO", self.zero)] + ([("MoE imbalance priced", self.moe_imbalance)]
                                         if self.moe_imbalance is not None else []) + (
             [("MoE receive limit", self.moe_receive_limit)] if self.moe_receive_limit is not None else []) + (

@@ -139,7 +139,8 @@ def _rank_main(rank, world, args_dict):
     for kind in args_dict["pairs"]:
         model, inputs, tgt, loss_fn = make_gpt(**mk)
         pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=lr),
-                                 plan=autopar.Plan(pp=2, schedule=kind, num_microbatches=m), example_target=tgt)
+                                 plan=autopar.Plan(pp=2, schedule=kind, num_microbatches=m,
+                                                   remake=args_dict["remake"]), example_target=tgt)
         blocks = _stage_blocks(pm)
         n_st = 2 if kind == "1f1b" else 4
         per = mk["n_layer"] // n_st
@@ -201,6 +202,9 @@ def _parse(argv):
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--pairs", default="1f1b,zbv", help="comma-separated subset of 1f1b,zbv")
     ap.add_argument("--deadline", type=float, default=600.0, help="seconds before the parent kills the ranks")
+    ap.add_argument("--remake", action="store_true",
+                    help="autopar's backward makes element-wise values again on every stage (Plan(remake=True)); "
+                         "default: the eager plan's default, kept from F")
     return ap.parse_args(argv)
 
 
@@ -220,9 +224,10 @@ def main(argv=None) -> int:
         print("--layers must be a multiple of 4 (zbv splits the blocks into quarters)", file=sys.stderr)
         return 2
     cfg = dict(model_kwargs=_model_kwargs(args), microbatches=args.microbatches, steps=args.steps,
-               warmup=args.warmup, pairs=pairs)
+               warmup=args.warmup, pairs=pairs, remake=True if args.remake else None)
     print(f"pp_vs_torch: gpt {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "
           f"{args.microbatches} microbatches, 2 gloo ranks, {args.warmup} warm-up + {args.steps} timed steps each, "
+          f"element-wise values {'made again' if args.remake else 'kept'}, "
           f"torch {torch.__version__}", flush=True)
     results = run_ranks(_rank_main, 2, cfg, timeout_s=30.0, deadline_s=args.deadline)
     res = results[0]

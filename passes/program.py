@@ -58,6 +58,9 @@ class StageProgram:
     saved_bytes: int                # bytes F keeps for I and W, per microbatch
     recompute: bool
     joint: fx.GraphModule = field(repr=False)
+    # the backward makes element-wise values and casts again from what F keeps instead of F
+    # keeping them (split_backward's ``remake``; never on a recomputing stage)
+    remake: bool = False
 
     def __post_init__(self):
         # computed once: the runtime asks after every F and I of every microbatch
@@ -75,4 +78,5 @@ class StageProgram:
         parts = {k: programs.get(k, getattr(self, k)) for k in ("f", "i", "w", "b")}
         return StageProgram(stage=self.stage, **parts, diff_outputs=self.diff_outputs, grad_inputs=self.grad_inputs,
                             grad_params=self.grad_params, input_strides=self.input_strides,
-                            saved_bytes=self.saved_bytes, recompute=self.recompute, joint=self.joint)
+                            saved_bytes=self.saved_bytes, recompute=self.recompute, joint=self.joint,
+                            remake=self.remake)

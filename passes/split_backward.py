@@ -47,11 +47,15 @@ _MASKED_BACKWARD = {
 
 
 def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str] | None = None,
-                   recompute: bool = False) -> StageProgram:
+                   recompute: bool = False, remake: bool = True) -> StageProgram:
     """Trace the stage's joint graph and partition it into F, I, W and B programs.
 
     ``input_requires_grad[name]`` says which stage inputs carry a gradient (the previous stage's
     ``diff_outputs``); ``trainable`` is the set of parameter FQNs that get gradients (default all).
+    ``recompute``: F keeps only the stage's inputs and I replays the forward. ``remake`` (without
+    ``recompute``): the backward makes element-wise values and casts again from what F keeps
+    where that keeps fewer bytes (``_recompute_cheap``): less memory, more memory-bound work in
+    I and W (fused, nearly free, when the programs are compiled).
     """
     sg = stage.gm
     phs = [n for n in sg.graph.nodes if n.op == "placeholder"]
@@ -132,7 +136,8 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
             n.args = tuple(n.args[:5]) + (True,)
     if not recompute:
         _regather_column_inputs(joint, fwd_set)
-        _recompute_cheap(joint, fwd_set, {n for n in j_phs if keys.is_state(names[n])})
+        if remake:
+            _recompute_cheap(joint, fwd_set, {n for n in j_phs if keys.is_state(names[n])})
     # the backward's tensor-parallel collectives are computed in I even where no input gradient
     # needs them (the first stage): W, which fills bubbles, then never communicates
     reduces = [n for n in joint.graph.nodes if (n.target is tp_ops.REDUCE or n.target in
@@ -195,24 +200,26 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
         stage=stage, f=f_prog, i=i_prog, w=w_prog, b=b_prog,
         diff_outputs=diff_outputs, grad_inputs=grad_inputs, grad_params=grad_params,
         input_strides={name: tuple(v.stride()) for name, v in zip(stage.inputs, vals[len(phs) - len(stage.inputs):])},
-        saved_bytes=saved_f, recompute=recompute, joint=joint,
+        saved_bytes=saved_f, recompute=recompute, joint=joint, remake=remake and not recompute,
     )
 
 
-def stage_programs(stages: list[StageGraph], trainable: set[str], held=None, recompute=(),
+def stage_programs(stages: list[StageGraph], trainable: set[str], held=None, recompute=(), remake=None,
                    stop_after: int | None = None) -> list[StageProgram | StageInfo]:
     """Every stage's programs, in stage order: ``split_backward`` for the stages in ``held``
     (default all; a set of indices, or a predicate ``held(stage, input_requires_grad)``), a
     ``StageInfo`` (which outputs carry a gradient: one fake forward) for the others. Stage s's
     inputs carry a gradient where stage s-1's differentiable outputs do.
-    ``recompute``: the stage indices whose F keeps only its inputs. ``stop_after``: stop once
+    ``recompute``: the stage indices whose F keeps only its inputs; ``remake``: those whose
+    backward makes element-wise values again (``split_backward``; None: every stage). ``stop_after``: stop once
     that many held stages are split (the rest of the list is left out)."""
     out: list[StageProgram | StageInfo] = []
     requires: dict[str, bool] = {}
     split = 0
     for st in stages:
         if held is None or (held(st, requires) if callable(held) else st.index in held):
-            prog = split_backward(st, requires, trainable, recompute=st.index in recompute)
+            prog = split_backward(st, requires, trainable, recompute=st.index in recompute,
+                                  remake=remake is None or st.index in remake)
             split += 1
         else:
             prog = StageInfo(st, differentiable_outputs(st, requires, trainable))

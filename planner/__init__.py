@@ -3,11 +3,12 @@
     res, info = plan_model(model, inputs, target, loss_fn, gpus=16, global_batch=64, device=get_profile("h100"))
     res.chosen.layout, res.chosen.estimate.step_time, res.chosen.estimate.peak_memory
 
-Modules: ``profile`` (model -> per-unit costs), ``devices`` / ``comm`` (device profiles, alpha-beta
-collectives), ``estimate`` (time and memory of one candidate: ``Evaluator``, composed of
-``time_model``, ``memory_model`` and ``offload_model``; ``layout``: the plan as data; ``inflight``:
-a schedule's in-flight counts), ``ilp`` (stage-boundary ILP),
-``search`` (the rounds), ``report`` (table and JSON), ``presets`` (meta-device models), ``cli``.
+Modules: ``profile`` (model -> per-unit costs; ``unit_kind``: one unit as priced), ``devices`` /
+``comm`` (device profiles, alpha-beta collectives), ``estimate`` (time and memory of one
+candidate: ``Evaluator``, composed of ``time_model``, ``memory_model`` and ``offload_model``;
+``layout``: the plan as data; ``inflight``: a schedule's in-flight counts), ``ilp`` (stage-
+boundary ILP), ``search`` (the rounds), ``report`` (table and JSON), ``presets`` (meta-device
+models), ``cli``.
 """
 from __future__ import annotations
 

@@ -73,6 +73,7 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         self._act_peaks: dict = {}  # (schedule, per-stage amounts) -> per-rank activation peaks
         self._zl: dict = {}  # (zero, replicas, expert replicas, ep, bounds, stage_to_rank, rank) -> ZeroLayout
         self._chunked: Evaluator | None = None
+        self._remade: Evaluator | None = None
         self._tp: dict[int, Evaluator] = {}
         self._links: dict = {}  # (pp, dp, cp, ep, tp) -> each axis's link class (TimeModel.links)
         self.tp = 1  # the tensor-parallel degree its profile is seen at (for_tp)
@@ -105,6 +106,18 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
                                       self.bucket_bytes, self.moe_imbalance, offloading=self.offloading,
                                       optimizer=self.optimizer)
         return self._chunked
+
+    @property
+    def remade(self) -> "Evaluator | None":
+        """The Evaluator of the same model with every stage's backward making element-wise values
+        again (``ModelProfile.remade``, ``Plan.remake``), with the same settings; None where the
+        profile has no such variant (a compiled one is in that form already)."""
+        if self._remade is None and self.profile.remade is not None:
+            self._remade = Evaluator(self.profile.remade, self.device, self.memory_limit, self.global_batch,
+                                     self.bucket_bytes, self.moe_imbalance, loss_chunking=self.loss_chunking,
+                                     offloading=self.offloading, optimizer=self.optimizer)
+            self._remade.tp = self.tp
+        return self._remade
 
     def evaluate(self, lay: Layout, part: Partition) -> Estimate:
         costs = self.stage_costs(lay, part)

@@ -51,173 +51,14 @@ from autopar.collectives import moe_exchange
 from autopar.passes.costs import is_view as _is_view
 from autopar.passes.costs import value_bytes
 from autopar.passes.costs import view_base as _base
-from autopar.passes.cp_rules import grouped_kv_heads, kv_repeats
+from autopar.passes.cp_rules import grouped_kv_heads
 from autopar.passes.zero_layout import ParamSpec, ns_flops
 
 from .programs import Program, is_attention_fwd, live_set, program_of, storage_bytes, units_of
-from .routed import RoutedInfo, check_moe, routed_of
-from .tp_share import TP_EFFICIENCY, TP_WORTH, TpShare, with_tp_shares
+from .routed import check_moe, routed_of
+from .tp_share import TP_EFFICIENCY, TP_WORTH, with_tp_shares
+from .unit_kind import Unit, UnitKind
 from .unit_timer import UnitTimer
-
-
-@dataclass(frozen=True)
-class UnitKind:
-    """Costs of one distinct unit graph, per captured microbatch (``ModelProfile.batch0`` samples)."""
-
-    kind: str                 # signature label, e.g. "layers.0"
-    f: Program
-    i: Program
-    w: Program
-    saved_bytes: float        # F keeps for I and W
-    saved_after_i: float      # what W still needs after I ran; may exceed saved_bytes (I's outputs W reads)
-    in_bytes: float           # activations received (what a recomputing stage keeps)
-    out_bytes: float          # activations sent to the next unit
-    params: int               # parameter elements
-    param_tensors: int        # parameter tensors (the optimizer's per-tensor work)
-    param_bytes: int
-    expert_params: int        # of which expert weights (sharded by EP)
-    attention_bytes: float    # q, k, v and output of every attention (Ulysses all-to-all volume at cp | all heads)
-    dispatch_bytes: float     # MoE tokens dispatched to experts (EP all-to-all volume; dropless: the mean routed rows)
-    work_bytes: float         # largest live set of intermediate activations (backward or forward), no param grads
-    small_params: int = 0     # elements of non-expert parameters with < 2 dims (norms, biases: ZeRO-3's resident group)
-    # the unit's token-proportional (dropless) MoE dispatch, per captured microbatch; None: no
-    # routed MoE (a static-capacity MoE is priced by ``dispatch_bytes``)
-    routed: "RoutedInfo | None" = None
-    # times the unit's F, I and W programs on real tensors in this process: (f, i, w) seconds at
-    # the captured microbatch; None for models captured on fake tensors (meta presets)
-    measure: Callable[[], tuple[float, float, float]] | None = field(default=None, compare=False, repr=False)
-    # the chunked cross-entropy's buffers inside its ops, which no graph value shows
-    # (autopar/linear_ce.working_bytes_per_token): bytes per token of one chunk, the chunk, and the loss's
-    # tokens at the captured microbatch (a microbatch with fewer tokens than a chunk holds fewer)
-    loss_chunk_row_bytes: float = 0.0
-    loss_chunk: int = 0
-    loss_tokens: int = 0
-    loss_fixed_bytes: float = 0.0  # its weight gradient's [vocab, d] temporaries
-    # of ``saved_bytes``, what only W reads (an activation offload keeps it on the host through I)
-    saved_w_only: float = 0.0
-    # the parameters autopar.Muon steps (passes/optimizer_routing.py: the hidden matrices), their
-    # elements and one step's Newton-Schulz FLOPs (passes/zero_layout.ns_flops), the expert
-    # weights' part of each apart (split by ep)
-    muon_params: int = 0
-    muon_expert_params: int = 0
-    muon_flops: float = 0.0
-    muon_expert_flops: float = 0.0
-    # (key/value heads, k + v bytes) of each grouped-query SDPA: cp beyond its key/value heads
-    # sends repeated copies (passes/context_parallel.kv_repeats)
-    grouped_kv: tuple[tuple[int, float], ...] = ()
-    tp_shares: tuple[TpShare, ...] = ()  # per searched tp degree; () where nothing shards
-    # under tensor parallelism (``at_tp``): the factor on F/I/W times, (all-reduces per forward,
-    # their bytes summed, tp) and (reduce-scatters, bytes, all-gathers, bytes) of sequence
-    # parallelism; the backward runs as many of each (the reverse collective), in I
-    time_scale: float = 1.0
-    tp_comm: tuple[int, float, int] = (0, 0.0, 1)
-    sp_comm: tuple[int, float, int, float] = (0, 0, 0, 0.0)
-
-    def tp_share(self, tp: int) -> "TpShare | None":
-        return next((s for s in self.tp_shares if s.tp == tp), None)
-
-    def at_tp(self, tp: int) -> "UnitKind":
-        """This unit on one rank of a tp group: sharded parameters, activations and FLOPs divided
-        by tp, the all-reduces added (``TpShare``); itself where nothing shards at ``tp``."""
-        sh = self.tp_share(tp)
-        if sh is None:
-            return self
-        cut = sh.activations + sh.sequence
-        keep = 1.0 - cut + cut / tp
-        after_i = keep + sh.regathered * (1.0 - 1.0 / tp)  # W reads the column inputs I gathered again
-        b_in, b_out = (1.0 - b + b / tp for b in sh.boundary)
-        (n_rs, rs_bytes), (n_ag, ag_bytes) = sh.scatters, sh.gathers
-        return replace(self, params=self.params - sh.params + sh.params // tp,
-                       param_bytes=self.param_bytes - sh.param_bytes + sh.param_bytes // tp,
-                       saved_bytes=self.saved_bytes * keep, saved_after_i=self.saved_after_i * after_i,
-                       saved_w_only=self.saved_w_only * keep, work_bytes=self.work_bytes * keep,
-                       in_bytes=self.in_bytes * b_in, out_bytes=self.out_bytes * b_out,
-                       attention_bytes=self.attention_bytes / tp if sh.attention else self.attention_bytes,
-                       time_scale=1.0 - sh.flops + sh.flops / tp,
-                       tp_comm=(sh.reduces - n_rs, sh.reduce_bytes - rs_bytes, tp),
-                       sp_comm=(n_rs, rs_bytes, n_ag, ag_bytes), tp_shares=(),
-                       # Muon's momentum is held per block; its Newton-Schulz runs on the whole
-                       # matrix on every tp rank (gathered: autopar/muon.py), so its FLOPs stay
-                       muon_params=self.muon_params - min(sh.params, self.muon_params - self.muon_expert_params)
-                       * (1 - 1 / tp),
-                       # a vocabulary-parallel chunked loss: each rank's chunk holds its classes only
-                       loss_chunk_row_bytes=self.loss_chunk_row_bytes / tp if sh.params else self.loss_chunk_row_bytes,
-                       loss_fixed_bytes=self.loss_fixed_bytes / tp if sh.params else self.loss_fixed_bytes)
-
-    def kv_copies_bytes(self, cp: int) -> float:
-        """Bytes of the key/value head copies context parallelism at ``cp`` adds (per captured
-        microbatch, before the 1/cp of a rank): they go through the all-to-all, and the attention
-        keeps them for its backward."""
-        return sum(b * (kv_repeats(h, cp) - 1) for h, b in self.grouped_kv)
-
-    def work(self, scale: float) -> float:
-        """The transient working set at ``scale`` times the captured microbatch."""
-        return (self.work_bytes * scale + min(self.loss_chunk, self.loss_tokens * scale) * self.loss_chunk_row_bytes
-                + self.loss_fixed_bytes)
-
-    def times(self, device, scale: float, ep: int = 1) -> tuple[float, float, float]:
-        """(F, I, W) seconds on ``device`` at ``scale`` times the captured microbatch, on a rank
-        of an expert-parallel group of ``ep`` (it reads and writes 1/ep of the expert weights:
-        ``Program.expert_bytes``).
-
-        On the measured ``cpu`` profile (this machine) a unit captured on real tensors is
-        priced from its own programs, timed here on first use (``UnitTimer``: every distinct
-        unit round-robin, median of up to 15 runs, one thread, as the runtime runs them) at the
-        captured microbatch and at a second size (half of it, or twice it below 4 samples, from
-        a second capture): each program costs the line through both points, a fixed part plus
-        a per-sample part scaled by ``scale``. With one size only (the second capture did not
-        cut into the same units), the fixed part is the profile's per-node overhead times the
-        node count. The roofline (``Program.time``) is kept for every other device and for
-        fake-tensor captures. Why measure: at a microbatch's shapes on one CPU core, GEMMs of
-        a few hundred tokens, GELU's erf, layer norm and the CPU flash-attention kernel run far
-        below the microbenchmark's peak matmul rate and streaming bandwidth (examples/gpt, 4
-        blocks x 128 tokens, d_model 128: F measured 6.6 ms, roofline 3.2 ms; W 13.0 ms vs
-        6.4 ms). Why two sizes: the fixed cost per node of these programs is ~20 us, not the
-        3-7 us the profile's 8-element microbenchmark measures (stage of 4 blocks + embeddings,
-        152 nodes, F at 1/2/4/8 samples: 6.1/8.5/12.7/24.0 ms, i.e. ~3.5 ms fixed), so scaling
-        one point with the microbenchmark's overhead misprices small microbatches by ~2x.
-        """
-        f, i, w = self._unscaled_times(device, scale, ep)
-        return f * self.time_scale, i * self.time_scale, w * self.time_scale
-
-    def _unscaled_times(self, device, scale: float, ep: int) -> tuple[float, float, float]:
-        m = self._measurement(device)
-        if m is None:
-            return self.f.time(device, scale, ep), self.i.time(device, scale, ep), self.w.time(device, scale, ep)
-        first, second, ratio = m
-        out = []
-        for j, prog in enumerate((self.f, self.i, self.w)):
-            t0 = first[j]
-            if second is not None and ratio != 1.0:
-                # the line through both sizes: fixed cost + per-sample cost (clamped to >= 0)
-                slope = max((second[j] - t0) / (ratio - 1.0), 0.0)
-                const = min(max(t0 - slope, 0.0), t0)
-                slope = t0 - const
-            else:
-                const = min(device.op_overhead_s * len(prog.flops), t0)
-                slope = t0 - const
-            out.append(const + scale * slope)
-        return tuple(out)
-
-    def _measurement(self, device):
-        if self.measure is None or getattr(device, "name", None) != "cpu" or not getattr(device, "measured", False):
-            return None
-        hit = self.__dict__.get("_measured")
-        if hit is None:
-            hit = self.measure()
-            object.__setattr__(self, "_measured", hit)
-        return hit
-
-
-@dataclass(frozen=True)
-class Unit:
-    name: str            # layer name in the real model, e.g. "layers.57"
-    kind: UnitKind
-    cut: int | None      # compute-node index where the unit starts in the captured graph (None if not captured)
-    # the unit's parameters under the real model's FQNs (canonical names; for the ZeRO layout)
-    params: tuple = field(default=(), compare=False, repr=False)
-    experts: frozenset = field(default=frozenset(), compare=False, repr=False)  # of those, the expert weights
-    muon: frozenset = field(default=frozenset(), compare=False, repr=False)  # of those, what autopar.Muon steps
 
 
 @dataclass
@@ -245,6 +86,28 @@ class ModelProfile:
     # plans from this profile run their programs compiled by Inductor (Plan.compile); a measured
     # profile (the cpu device) timed its units compiled
     compiled: bool = False
+    variants: dict = field(default_factory=dict, repr=False, compare=False)  # "remade" -> the profile, memoized
+
+    @property
+    def remade(self) -> "ModelProfile | None":
+        """The same model with every stage's backward making element-wise values again
+        (``UnitKind.remaking``; the chunked variant too, its chunked epilogue as it is); None
+        when no unit has that variant (a compiled profile is already in that form)."""
+        if not any(u.kind.remade is not None for u in self.units):
+            return None
+        if "remade" not in self.variants:
+            kinds = {}
+
+            def remade(units):
+                return [replace(u, kind=kinds.setdefault(id(u.kind), u.kind.remaking())) for u in units]
+
+            units = remade(self.units)
+            chunked = None
+            if self.chunked is not None:
+                chunked = replace(self.chunked, units=remade(self.chunked.units[:-1]) + self.chunked.units[-1:],
+                                  tp_variants={}, variants={})
+            self.variants["remade"] = replace(self, units=units, chunked=chunked, tp_variants={}, variants={})
+        return self.variants["remade"]
 
     def at_tp(self, tp: int) -> "ModelProfile":
         """The model as one rank of a tensor-parallel group of ``tp`` sees it: every unit's kind
@@ -262,7 +125,7 @@ class ModelProfile:
                 specs = tuple(_spec_at_tp(p, u.name, sh, tp) for p in u.params)
                 units.append(replace(u, kind=k, params=specs))
             hit = replace(self, units=units, chunked=self.chunked.at_tp(tp) if self.chunked is not None else None,
-                          tp_variants={})
+                          tp_variants={}, variants={})
             self.tp_variants[tp] = hit
         return hit
 
@@ -472,6 +335,18 @@ def _unit_kind(label: str, sp, stage, expert_names: Callable[[str], bool], measu
                     **{"muon_" + k: v for k, v in muon.items()})
 
 
+def _with_routed(kind: UnitKind, sp) -> UnitKind:
+    """``kind`` with its dropless MoE dispatch read off the F program (``routed_of``: its chains
+    spread, passes/moe_overlap.py), whose routed state F keeps and, after I, the received rows'
+    output gradients for W (row_bytes a row); itself without one."""
+    routed = routed_of(sp.f.gm)
+    if routed is None:
+        return kind
+    return replace(kind, routed=routed, dispatch_bytes=routed.rows * routed.row_bytes,
+                   saved_bytes=kind.saved_bytes + routed.saved_bytes,
+                   saved_after_i=kind.saved_after_i + routed.rows * (routed.saved_row_bytes + routed.row_bytes))
+
+
 def _program(prog, is_expert: Callable[[str], bool]) -> Program:
     """``program_of`` one stage program, told which of its inputs are expert weights and which
     of its results their gradients (their bytes are 1/ep on an expert-parallel rank)."""
@@ -526,7 +401,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     from autopar.passes.capture import capture
     from autopar.passes.optimizer_routing import route_parameters
     from autopar.passes.program import StageProgram
-    from autopar.passes.split_backward import stage_programs
+    from autopar.passes.split_backward import split_backward, stage_programs
 
     say = progress or (lambda msg: None)
     if not isinstance(inputs, (tuple, list)):
@@ -578,25 +453,29 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
             return new
 
         last_requires: dict = {}  # which inputs of the last unit carry a gradient
-        for st, label, sp in zip(stages, labels, stage_programs(stages, trainable, held=first_of_its_kind)):
+        requires: dict = {}  # which inputs of this unit carry a gradient
+        # the units as the plans run them by default: eager stages keep their element-wise
+        # values, compiled ones make them again (Plan.remake); an eager profile also holds each
+        # kind's remaking variant (UnitKind.remade), which the search takes where memory binds
+        split = stage_programs(stages, trainable, held=first_of_its_kind, remake=None if compile else ())
+        for st, label, sp in zip(stages, labels, split):
             if st.index == len(stages) - 2:
                 last_requires = {name: True for name in sp.diff_outputs}
             sig = sigs[st.index]
             if isinstance(sp, StageProgram):
-                kinds[sig] = _unit_kind(label or ("prologue" if st.index == 0 else "epilogue"), sp, st, is_expert,
-                                        measure=timer.add(sp, st) if real else None, routes=routes)
-                routed = routed_of(sp.f.gm)  # the F program: its chains spread (passes/moe_overlap.py)
-                if routed is not None:
-                    k = kinds[sig]
-                    # after I the op also keeps the received rows' output gradients for W (row_bytes a row)
-                    kinds[sig] = replace(k, routed=routed, dispatch_bytes=routed.rows * routed.row_bytes,
-                                         saved_bytes=k.saved_bytes + routed.saved_bytes,
-                                         saved_after_i=k.saved_after_i + routed.rows * (routed.saved_row_bytes
-                                                                                       + routed.row_bytes))
+                unit_label = label or ("prologue" if st.index == 0 else "epilogue")
+                measure = timer.add(sp, st) if real else None
+                kind = _with_routed(_unit_kind(unit_label, sp, st, is_expert, measure=measure, routes=routes), sp)
+                if not compile:
+                    again = split_backward(st, requires, trainable, remake=True)
+                    again_kind = _unit_kind(unit_label, again, st, is_expert, routes=routes)
+                    kind = replace(kind, remade=_with_routed(again_kind, again))
+                kinds[sig] = kind
+            requires = {name: True for name in sp.diff_outputs}
             unit_kinds.append(kinds[sig])
         unit_kinds = with_tp_shares(captured, stages, labels, unit_kinds)
         chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
-                                                timer if real else None)
+                                                timer if real else None, compile)
         if chunked_kind is not None:  # under tp the chunked head shards as the captured one (vocabulary-parallel)
             chunked_kind = replace(chunked_kind, tp_shares=unit_kinds[-1].tp_shares)
     trace_s = time.perf_counter() - t1
@@ -652,14 +531,15 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     if chunked_kind is not None:
         last = units[-1]
         profile.chunked = replace(profile, units=units[:-1] + [replace(last, kind=chunked_kind)],
-                                  loss_chunk_tokens=chunk)
+                                  loss_chunk_tokens=chunk, tp_variants={}, variants={})
     return profile
 
 
-def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer):
+def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is_expert, timer, remake: bool):
     """(the last unit's kind with its LM head + cross-entropy chunked, the chunk in tokens), or
-    (None, 0) when the unit has no such loss. The chunk: ``linear_ce.default_chunk`` of the
-    vocabulary; its buffers inside the ops (not graph values) are the kind's fixed working set."""
+    (None, 0) when the unit has no such loss (``remake``: as ``split_backward``'s). The chunk:
+    ``linear_ce.default_chunk`` of the vocabulary; its buffers inside the ops (not graph values)
+    are the kind's fixed working set."""
     from autopar import linear_ce
     from autopar.passes.chunked_loss import chunk_stage_loss, find_linear_losses
     from autopar.passes.split_backward import split_backward
@@ -673,7 +553,7 @@ def _chunked_epilogue(stage, requires: dict, trainable: set, plain: UnitKind, is
     fp32_steps = sum(1 for n in m.chain if n.meta["val"].dtype == torch.float32 and not _is_view(n))
     row = linear_ce.working_bytes_per_token(m.vocab, head.element_size(), fp32_steps)
     chunked = chunk_stage_loss(stage, chunk)
-    sp = split_backward(chunked, requires, trainable)
+    sp = split_backward(chunked, requires, trainable, remake=remake)
     kind = _unit_kind(plain.kind, sp, chunked, is_expert, measure=timer.add(sp, chunked, chunk) if timer else None)
     # the weight gradient: added into its accumulator chunk by chunk, in place at fp32
     # (passes/exec_code.py); a narrower head's chunk GEMM makes a [vocab, d] temporary; with a

@@ -57,7 +57,8 @@ def _layout_dict(c: Candidate) -> dict:
     return {"pp": lay.pp, "dp": lay.dp, "cp": lay.cp, "ep": lay.ep, "tp": lay.tp,
             "sequence_parallel": lay.sequence_parallel, "schedule": lay.schedule,
             "stages_per_rank": lay.v, "num_microbatches": lay.m, "microbatch_size": lay.b, "zero": lay.zero,
-            "loss_chunk_tokens": c.loss_chunk, "offload": c.offload}
+            "loss_chunk_tokens": c.loss_chunk, "offload": c.offload,
+            "remake": True if c.remake else None}  # (as to_plan: None follows compile)
 
 
 def candidate_dict(c: Candidate) -> dict:
@@ -277,6 +278,25 @@ def compile_lines(res: PlanResult) -> list[str]:
     return [f"  stage programs compiled by Inductor (Plan(compile=True)); {how}"]
 
 
+def remake_lines(res: PlanResult, c: Candidate) -> list[str]:
+    """Whether the plan's backward makes element-wise values again (``Plan.remake``), and what F
+    keeps per microbatch over all its units both ways."""
+    ev = res.evaluator.for_tp(c.layout.tp)
+    if ev.profile.compiled:
+        return ["  element-wise values: made again in the backward on every stage (compiled: fused into the "
+                "kernels that read them)"]
+    remade = ev.remade
+    if remade is None:
+        return []
+    sc = ev.scale(c.layout)
+    kept, again = (sum(u.kind.saved_bytes for u in e.units) * sc / GiB for e in (ev, remade))
+    if c.remake:
+        return [f"  element-wise values made again in the backward on every stage: F keeps {again:.2f} GiB a "
+                f"microbatch over the model instead of {kept:.2f} GiB (memory binds)"]
+    return [f"  element-wise values kept from F: {kept:.2f} GiB a microbatch over the model ({again:.2f} GiB made "
+            "again in the backward; not used: this plan fits faster without it)"]
+
+
 def offload_lines(res: PlanResult, c: Candidate) -> list[str]:
     """The activation offload of the plan: the share (per stage when they differ), and per pp
     rank the most bytes parked on the host at once and the copy time compute does not hide
@@ -387,6 +407,7 @@ def text(res: PlanResult, profile_info: dict, top: int = 5, include_all: bool = 
           f"  tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  ep {lay.ep}  schedule {lay.schedule} ({lay.v} stage"
           f"{'s' if lay.v > 1 else ''}/rank)  microbatches {lay.m} x {lay.b} samples  ZeRO {lay.zero}",
           *loss_lines(res, c),
+          *remake_lines(res, c),
           *offload_lines(res, c),
           *compile_lines(res),
           *optimizer_lines(res, c),

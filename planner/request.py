@@ -139,6 +139,7 @@ class Candidate:
     peaks: tuple[float, ...] | None = None  # per-rank peak bytes when found OOM without timing it
     loss_chunk: int = 0                 # tokens per chunk of the chunked cross-entropy (0: the loss as captured)
     offload: float | tuple[float, ...] = 0.0  # share of the saved activations parked on the host (Layout.offload)
+    remake: bool = False                # every stage's backward makes element-wise values again (Plan.remake)
     variants: int = 0                   # the memory-feature variants _simulate priced besides it
 
     @property

@@ -20,6 +20,14 @@ from .estimate import (
 from .request import Candidate
 
 
+def _counted(units) -> list:
+    """(kind, how many units are of it) of ``units``."""
+    agg: dict[int, list] = {}
+    for u in units:
+        agg.setdefault(id(u.kind), [u.kind, 0])[1] += 1
+    return [(k, n) for k, n in agg.values()]
+
+
 def _inflight(lay: Layout) -> tuple[float, float]:
     return _inflight_of(lay.schedule, lay.pp, lay.m, lay.v)
 
@@ -110,14 +118,17 @@ class _Screen:
         self.ev = ev
         units = ev.units
         U = len(units)
-        agg: dict[int, list] = {}
-        for u in units:
-            agg.setdefault(id(u.kind), [u.kind, 0])[1] += 1
-        self.kinds = [(k, n) for k, n in agg.values()]
+        self.kinds = _counted(units)
+        # the units with the element-wise values made again (Evaluator.remade: the search's first
+        # memory feature): the bounds take the lighter form, the expected fit counts it
+        self.remade = ev.remade
+        self.kinds_r = _counted(self.remade.units) if self.remade is not None else self.kinds
         later = units[1:] or units[:1]
         self.later = list({id(u.kind): u.kind for u in later}.values())
+        if self.remade is not None:
+            self.later += list({id(u.kind): u.kind for u in (self.remade.units[1:] or self.remade.units[:1])}.values())
         self.U = U
-        self.min_work = min(k.work_bytes for k in ev.profile.kinds)
+        self.min_work = min(k.work_bytes for e in (ev, self.remade) if e is not None for k in e.profile.kinds)
         self.mean_work = sum(u.kind.work_bytes for u in units) / U
         self.bd = min(min(units[j].kind.out_bytes, units[j + 1].kind.in_bytes) for j in range(U - 1)) \
             if U > 1 else 0.0
@@ -132,13 +143,14 @@ class _Screen:
         self._acts: dict = {}
         self._fam: dict = {}
 
-    def _time_sums(self, lay: Layout):
-        key = (lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3)
+    def _time_sums(self, lay: Layout, remade: bool = False):
+        key = (lay.b, lay.cp, lay.ep, lay.dp if lay.zero == 3 else 0, lay.zero == 3, remade)
         hit = self._times.get(key)
         if hit is None:
+            ev = self.remade if remade else self.ev
             tf = ti = tw = 0.0
-            for kind, n in self.kinds:
-                f, i, w = self.ev.unit_times(kind, lay)
+            for kind, n in (self.kinds_r if remade else self.kinds):
+                f, i, w = ev.unit_times(kind, lay)
                 tf, ti, tw = tf + n * f, ti + n * i, tw + n * w
             hit = self._times[key] = (tf, ti, tw)
         return hit
@@ -165,9 +177,10 @@ class _Screen:
             ev = self.ev
             sc = ev.scale(lay)
             saved = sum(n * max(ev.unit_saved(kind, lay)) for kind, n in self.kinds)
+            saved_r = sum(n * max(ev.unit_saved(kind, lay)) for kind, n in self.kinds_r)
             # the least one microbatch of a stage past stage 0 keeps (recomputing: its first unit's input)
             a_min = min(min(k.in_bytes * sc, *ev.unit_saved(k, lay)) for k in self.later)
-            hit = self._acts[key] = (a_min, saved / self.U)
+            hit = self._acts[key] = (a_min, saved / self.U, saved_r / self.U)
         return hit
 
     def family(self, pp: int, dp: int, cp: int, ep: int, zero: int) -> tuple[float, float, float]:
@@ -197,7 +210,7 @@ class _Screen:
     def __call__(self, lay: Layout) -> Candidate:
         ev = self.ev
         tf, ti, tw = self._time_sums(lay)
-        a_min, saved_u = self._act_sums(lay)
+        a_min, saved_u, saved_r = self._act_sums(lay)
         base, red, states = self.family(lay.pp, lay.dp, lay.cp, lay.ep, lay.zero)
         sc = ev.scale(lay)
         p = lay.pp
@@ -228,8 +241,12 @@ class _Screen:
         p2p = cross * (held * bd_mean) + (2 * bd_mean if cross else 0.0)
         mean_work = self.mean_work * sc
         plain = base + p2p + max(inflight * saved_u * per_stage + mean_work, red)
+        again = base + p2p + max(inflight * saved_r * per_stage + mean_work, red)
         rc = base + p2p + max(inflight * self.in_mean * sc + mean_work, red)
-        c.screen_tier = 0 if plain <= ev.memory_limit else (1 if rc <= ev.memory_limit else 2)
+        c.screen_tier = 0 if again <= ev.memory_limit else (1 if rc <= ev.memory_limit else 2)
         if c.screen_tier:  # expected to recompute: I replays F
             c.screen_time = t + lay.m * f
+        elif plain > ev.memory_limit:  # expected to make element-wise values again: I and W do more
+            ti_r, tw_r = self._time_sums(lay, remade=True)[1:]
+            c.screen_time = t + lay.m * max(0.0, ti_r + tw_r - ti - tw) / p
         return c

@@ -354,22 +354,25 @@ def _unit_totals(ev: Evaluator, lay: Layout) -> list[float]:
 
 def _simulate(ev: Evaluator, c: Candidate) -> bool:
     """``_simulate_one``, and where memory binds (over the limit, or fitting only by
-    recomputing), the same layout with the memory features the model allows: the loss chunked
-    (``Evaluator.chunked``) and saved activations offloaded (unless the evaluator's
-    ``offloading`` is off): the least share per stage that fits without recomputing
-    (``Evaluator.least_offload``: the stages whose microbatches wait longest first; fixed-order
-    schedules) where there is one, else all of every stage's saved activations. The strongest
-    combination is priced first; if even it does not fit, the layout stays as it was priced;
-    else every combination is priced and the fastest that fits is kept (``_lighter``;
-    ``loss_chunk`` and ``offload`` say which). Both features only add work (a recomputed head GEMM, copies), so
-    where memory does not bind neither is used. Each variant priced counts against the search's
-    budget of simulated actions as one more simulation of the layout (``Candidate.variants``)."""
+    recomputing), the same layout with the memory features the model allows: every stage's
+    backward making element-wise values again (``Evaluator.remade``, ``Plan.remake``; the others
+    are priced on top of it), the loss chunked (``Evaluator.chunked``) and saved activations
+    offloaded (unless the evaluator's ``offloading`` is off): the least share per stage that fits
+    without recomputing (``Evaluator.least_offload``: the stages whose microbatches wait longest
+    first; fixed-order schedules) where there is one, else all of every stage's saved
+    activations. The strongest combination is priced first; if even it does not fit, the layout
+    stays as it was priced; else every combination is priced and the fastest that fits is kept
+    (``_lighter``; ``remake``, ``loss_chunk`` and ``offload`` say which). The features only add
+    work (element-wise ops made again, a recomputed head GEMM, copies), so where memory does not
+    bind none is used. Each variant priced counts against the search's budget of simulated
+    actions as one more simulation of the layout (``Candidate.variants``)."""
     ev = ev.for_tp(c.layout.tp)
     timed = _simulate_one(ev, c)
     if not _binds(c):
         return timed
-    chunked = ev.chunked
-    evs = (ev, chunked) if chunked is not None else (ev,)
+    base = ev.remade or ev
+    chunked = base.chunked
+    evs = (base, chunked) if chunked is not None else (base,)
     variants = [(e, 0.0) for e in evs if e is not ev]
     if ev.offloading:
         for e in evs:  # the least shares where some fit (more only adds copies), else everything
@@ -381,11 +384,11 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
     if not variants:
         return timed
     # strongest first: least memory
-    order = sorted(variants, key=lambda v: (v[0] is ev, v[1] != 1.0))
+    order = sorted(variants, key=lambda v: (v[0] is base, v[1] != 1.0))
     best, best_timed = None, timed
     for k, (e, f) in enumerate(order):
-        other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens if e is not ev else 0,
-                          offload=f)
+        other = Candidate(c.layout, "screened", loss_chunk=e.profile.loss_chunk_tokens, offload=f,
+                          remake=base is not ev)
         t = _simulate_one(e, other)
         c.variants += 1
         if other.status == "feasible" and (best is None or _lighter(other) < _lighter(best)):
@@ -396,16 +399,17 @@ def _simulate(ev: Evaluator, c: Candidate) -> bool:
             break
     if best is not None and (best.status != "feasible" or c.status != "feasible" or best.time < c.time):
         c.status, c.reason, c.estimate, c.peaks = best.status, best.reason, best.estimate, best.peaks
-        c.loss_chunk, c.offload = best.loss_chunk, best.offload
+        c.loss_chunk, c.offload, c.remake = best.loss_chunk, best.offload, best.remake
         return best_timed
     return timed
 
 
 def _lighter(c: Candidate) -> tuple:
     """How ``_simulate`` ranks the variants that fit: the fastest, then (a tie where the copies
-    hide behind compute) the fewest bytes offloaded, then the loss as captured."""
+    hide behind compute) the fewest bytes offloaded, then the loss as captured, then the
+    element-wise values kept."""
     shares = c.offload if isinstance(c.offload, tuple) else (c.offload,) * c.layout.num_stages
-    return c.time, sum(shares), c.loss_chunk != 0
+    return c.time, sum(shares), c.loss_chunk != 0, c.remake
 
 
 def _least_offload(ev: Evaluator, lay: Layout):
@@ -422,9 +426,10 @@ def _binds(c: Candidate) -> bool:
 
 
 def evaluator_of(ev: Evaluator, c: Candidate) -> Evaluator:
-    """The Evaluator that priced ``c``: its tp degree's (``Evaluator.for_tp``), the chunked-loss
-    one when ``c.loss_chunk``."""
+    """The Evaluator that priced ``c``: its tp degree's (``Evaluator.for_tp``), the remaking one
+    when ``c.remake``, the chunked-loss one of that when ``c.loss_chunk``."""
     ev = ev.for_tp(c.layout.tp)
+    ev = ev.remade if c.remake else ev
     return ev.chunked if c.loss_chunk else ev
 
 
@@ -585,7 +590,7 @@ def to_plan(res_or_ev, cand: Candidate):
                 stages_per_rank=lay.v, stage_cuts=tuple(cuts),
                 recompute=tuple(i for i, r in enumerate(est.partition.recompute) if r), zero=lay.zero,
                 moe_imbalance=plan_moe_imbalance(ev, lay), loss_chunk_tokens=cand.loss_chunk, offload=cand.offload,
-                compile=ev.profile.compiled)
+                compile=ev.profile.compiled, remake=True if cand.remake else None)
 
 
 def plan_moe_imbalance(ev: Evaluator, lay: Layout) -> float | None:

@@ -70,8 +70,10 @@ def with_tp_shares(captured, stages, labels, unit_kinds: list) -> list:
     # sequence parallelism cuts only at the layer's first residual add)
     for k, (st, label, kind) in reversed(list(enumerate(zip(stages, labels, unit_kinds)))):
         if id(kind) not in done:
-            done[id(kind)] = replace(kind, tp_shares=tuple(
-                sh for tp in TP_DEGREES if (sh := _tp_share(st, label, tp, *analyses[tp])) is not None))
+            shares = tuple(sh for tp in TP_DEGREES if (sh := _tp_share(st, label, tp, *analyses[tp])) is not None)
+            # (its remaking variant shards alike: UnitKind.at_tp carries it along)
+            done[id(kind)] = replace(kind, tp_shares=shares, remade=replace(kind.remade, tp_shares=shares)
+                                     if kind.remade is not None else None)
         out[k] = done[id(kind)]
     return out
 

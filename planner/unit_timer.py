@@ -83,7 +83,8 @@ class UnitTimer:
             trainable = set(cap.params.values())
             self.entries.update(moe_exchange.entries_of(model))  # this capture's experts entries, served by _measure
             with moe_exchange.serving(self.entries):
-                progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted))
+                progs = stage_programs(stages, trainable, held=wanted, stop_after=len(wanted),
+                                       remake=None if self.compiled else ())  # as profile_model splits them
 
             def unit(st, chunk):
                 if not chunk:
@@ -91,7 +92,7 @@ class UnitTimer:
                 requires = {n: True for n in progs[st.index - 1].diff_outputs} if st.index else {}
                 chunked = chunk_stage_loss(stages[st.index], chunk)
                 with moe_exchange.serving(self.entries):
-                    return split_backward(chunked, requires, trainable), chunked
+                    return split_backward(chunked, requires, trainable, remake=self.compiled), chunked
 
             state = dict(self.state)
             state.update(keys.state({}, {}, cap.constants))

@@ -97,15 +97,16 @@ def reuse_programs() -> None:
         return
     split, memo = _ORIGINAL["split_backward"], _PROGRAMS
 
-    def memoized(stage, input_requires_grad, trainable=None, recompute=False):
+    def memoized(stage, input_requires_grad, trainable=None, recompute=False, remake=True):
         vals = [n.meta.get("val") for n in stage.gm.graph.nodes if n.op == "placeholder"]
         key = (stage.index, stage.gm.code, stage.params, stage.buffers, stage.constants, stage.data, stage.inputs,
                stage.outputs, stage.buffer_updates, stage.has_loss,
                tuple((tuple(v.shape), v.dtype, tuple(v.stride()), id(getattr(v, "fake_mode", None))) for v in vals),
                tuple(sorted(input_requires_grad.items())),
-               None if trainable is None else frozenset(trainable), recompute)
+               None if trainable is None else frozenset(trainable), recompute, remake)
         if key not in memo:
-            memo[key] = (split(stage, input_requires_grad, trainable, recompute=recompute), vals)  # vals: ids stay taken
+            memo[key] = (split(stage, input_requires_grad, trainable, recompute=recompute, remake=remake),
+                         vals)  # vals: ids stay taken
         return memo[key][0]
 
     memoized.memoized = True

@@ -101,3 +101,27 @@ def test_every_schedule_runs_in_local_mode(schedule):
         torch.testing.assert_close(pm.step(case.inputs, case.target), ref_losses[step], rtol=1e-5, atol=0)
     assert_close_state(pm.state_dict(), ref_state)
     assert [list(a) for a in pm.executed_actions] == [[str(x) for x in acts] for acts in pm.schedule.actions]
+
+
+def test_remake_keep_and_recompute_per_stage_match_eager():
+    """``Plan.remake`` per stage beside ``recompute``: stage 0 keeps every element-wise value,
+    stage 1 makes them again in its backward, stage 2 recomputes; ``stage_table`` says so, the
+    remaking stage keeps fewer bytes than the same stage keeping them, and training equals eager."""
+    case = ALL_CASES["llama"](seed=4)
+    ref_losses, ref_state = eager_reference(copy.deepcopy(case.model), case.inputs, case.target, case.loss_fn,
+                                            ADAMW, dp=1, num_microbatches=4, steps=2)
+    kept = autopar.parallelize(copy.deepcopy(case.model), case.inputs, loss_fn=case.loss_fn, optimizer=ADAMW,
+                               plan=autopar.Plan(pp=3, schedule="zb-h1", num_microbatches=4),
+                               example_target=case.target)
+    pm = autopar.parallelize(case.model, case.inputs, loss_fn=case.loss_fn, optimizer=ADAMW,
+                             plan=autopar.Plan(pp=3, schedule="zb-h1", num_microbatches=4, remake=(1,),
+                                               recompute=(2,)), example_target=case.target)
+    table = pm.stage_table().splitlines()
+    modes = ("keep", "remake", "recompute")
+    assert "backward" in table[0]
+    assert [next(w for w in row.split() if w in modes) for row in table[2:5]] == list(modes), table
+    assert pm.programs[1].saved_bytes < kept.programs[1].saved_bytes
+    assert pm.programs[0].saved_bytes == kept.programs[0].saved_bytes
+    for step in range(2):
+        torch.testing.assert_close(pm.step(case.inputs, case.target), ref_losses[step], rtol=1e-5, atol=0)
+    assert_close_state(pm.state_dict(), ref_state)

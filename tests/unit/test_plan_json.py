@@ -12,12 +12,26 @@ import autopar
 def test_every_field_round_trips():
     plan = autopar.Plan(pp=2, dp=2, cp=1, ep=1, schedule="zb-h1", num_microbatches=4, stages_per_rank=1,
                         stage_cuts=(17,), recompute=(1,), zero=2, loss_chunk_tokens=512, offload=(0.5, 0.0), tp=2,
-                        sequence_parallel=True, compile=True)
+                        sequence_parallel=True, compile=True, remake=(1,))
     back = autopar.Plan.from_json(plan.to_json())
     assert back == plan
     assert {f.name for f in fields(autopar.Plan)} <= set(json.loads(plan.to_json()))
     with pytest.raises(ValueError, match="sequence_parallel=True needs tp > 1"):
         autopar.Plan(sequence_parallel=True)
+
+
+def test_remake_names_stages_and_defaults_to_compile():
+    """``Plan.remake``: None follows ``compile``; True / False every stage / none; a tuple those
+    stages; a stage outside the plan is an error naming the stage count."""
+    assert [autopar.Plan(pp=2).remakes(s) for s in (0, 1)] == [False, False]
+    assert [autopar.Plan(pp=2, compile=True).remakes(s) for s in (0, 1)] == [True, True]
+    assert [autopar.Plan(pp=2, compile=True, remake=False).remakes(s) for s in (0, 1)] == [False, False]
+    assert [autopar.Plan(pp=2, remake=[1, 1]).remakes(s) for s in (0, 1)] == [False, True]
+    assert autopar.Plan(pp=2, remake=[1, 1]).remake == (1,)
+    with pytest.raises(ValueError, match=r"names stages \[2\] outside 0..1 \(the plan has 2 stages\)"):
+        autopar.Plan(pp=2, remake=(0, 2))
+    with pytest.raises(ValueError, match="remake='all' must be True"):
+        autopar.Plan(remake="all")
 
 
 def test_the_planners_json_feeds_back():

@@ -942,7 +942,8 @@ def test_planner_chunks_the_loss_only_where_memory_binds(monkeypatch):
 
 def test_planner_offloads_activations_where_memory_binds():
     """Issue 35 M4: at a limit no layout meets keeping every saved activation on the device
-    without recomputing (every layout priced, balanced stages), the search parks them on the
+    without recomputing (every layout priced, balanced stages, the element-wise values made
+    again in the backward: the first memory feature, ``Plan.remake``), the search parks them on the
     host between F and I/W, and its Plan says so: faster than the best it finds without offload
     (which must recompute, on an h100 profile where the copies hide behind compute); with room
     to spare nothing is offloaded."""
@@ -958,7 +959,7 @@ def test_planner_offloads_activations_where_memory_binds():
 
     def least_memory(offload):
         req = Request(memory_limit=1e15, **kw)
-        ev = Evaluator(prof, dev, 1e15, 8)
+        ev = Evaluator(prof, dev, 1e15, 8).remade
         best = math.inf
         for lay in (x for x in _every_layout(prof, req) if x.pp == 2):
             bounds = balanced_partition([sum(ev.unit_times(u.kind, lay)) for u in prof.units], lay.num_stages)
@@ -971,7 +972,7 @@ def test_planner_offloads_activations_where_memory_binds():
     limit = (plain + parked) / 2
     res = plan(prof, dev, Request(memory_limit=limit, exhaustive=True, **kw))
     c = res.chosen
-    assert c is not None and c.offload
+    assert c is not None and c.offload and c.remake
     assert not any(c.estimate.partition.recompute)
     assert max(c.estimate.peak_memory) <= limit
     assert to_plan(res, c).offload == c.offload
@@ -980,7 +981,7 @@ def test_planner_offloads_activations_where_memory_binds():
     assert c.layout.schedule == "1f1b" and isinstance(c.offload, tuple), c.offload
     first, last = c.offload
     assert last == 0 and 0 < first < 1
-    ev = Evaluator(prof, dev, limit, 8)
+    ev = Evaluator(prof, dev, limit, 8).remade
     for share, fits in ((first, True), (first - 0.01, False)):
         est = ev.evaluate(dataclasses.replace(c.layout, offload=(share, 0.0)), c.estimate.partition)
         assert est.feasible == fits, (share, est.peak_memory, limit)

@@ -141,6 +141,30 @@ class SwiGLU(nn.Module):
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
 
+def _swiglu_stage(d: int, f: int):
+    """A seeded SwiGLU model, its data, autograd's loss and gradients on a copy, and its one stage."""
+    torch.manual_seed(0)
+    model = SwiGLU(d, f)
+    x, y = torch.randn(2, 3, d), torch.randn(2, 3, d)
+    ref = copy.deepcopy(model)
+    ref_loss = F.mse_loss(ref(x), y)
+    ref_grads = dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(ref_loss, list(ref.parameters()))))
+    cap = capture(model, (x,), y, F.mse_loss)
+    (sg,) = split_stages(cap, 1)
+    return model, cap, sg, (x, y), ref_loss, ref_grads
+
+
+def _assert_trains_like_autograd(prog, model, cap, data, ref_loss, ref_grads):
+    """One local run of ``prog`` gives autograd's loss and parameter gradients."""
+    params = dict(model.named_parameters())
+    state = keys.state(params, dict(model.named_buffers()), {})
+    pipe = LocalPipeline([prog], _sequential_split_schedule(1), state, params)
+    loss = pipe.run([dict(zip(cap.inputs + [cap.target], data))], 1.0)
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(params[name].grad, g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+
 def test_element_wise_values_are_made_again_in_the_backward():
     """What F keeps for the backward, by hand: the weight gradients need the norm's output h
     (and its input times the rsqrt, for the norm's weight) and silu(gate) * up; the input
@@ -149,27 +173,34 @@ def test_element_wise_values_are_made_again_in_the_backward():
     and up [N, f], and the model output, which the loss's gradient reads, and nothing else (the
     model input, which the first linear's weight gradient reads, is data); F, I, W still give
     autograd's gradients."""
-    torch.manual_seed(0)
     d, f = 4, 12
-    model = SwiGLU(d, f)
-    x, y = torch.randn(2, 3, d), torch.randn(2, 3, d)
-    ref = copy.deepcopy(model)
-    ref_loss = F.mse_loss(ref(x), y)
-    ref_grads = dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(ref_loss, list(ref.parameters()))))
-
-    cap = capture(model, (x,), y, F.mse_loss)
-    (sg,) = split_stages(cap, 1)
+    model, cap, sg, data, ref_loss, ref_grads = _swiglu_stage(d, f)
     prog = split_backward(sg, {})
     out = next(v for v in prog.f.gm.graph.nodes if v.op == "output").args[0]
     saved = sorted(tuple(v.meta["val"].shape) for k, v in zip(prog.f.results, out)
                    if keys.is_kind(k, keys.SAVED) and v.meta["val"].dim() == 3)  # (not the weights' views)
     assert saved == [(2, 3, 1), (2, 3, d), (2, 3, d), (2, 3, f), (2, 3, f)], saved
     _check_regions(prog)
+    _assert_trains_like_autograd(prog, model, cap, data, ref_loss, ref_grads)
 
-    params = dict(model.named_parameters())
-    state = keys.state(params, dict(model.named_buffers()), {})
-    pipe = LocalPipeline([prog], _sequential_split_schedule(1), state, params)
-    loss = pipe.run([dict(zip(cap.inputs + [cap.target], (x, y)))], 1.0)
-    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-6, atol=0)
-    for name, g in ref_grads.items():
-        torch.testing.assert_close(params[name].grad, g, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name}: {m}")
+
+def test_without_remaking_f_keeps_the_element_wise_values():
+    """``remake=False`` (``Plan.remake`` off: the eager default): F keeps what the backward reads
+    as the forward made it. Beyond the remade case, by hand: the norm's x * rsqrt [N, d] (the
+    norm weight's gradient), its output h for the gate's and the up projection's weight
+    gradients (two [N, d] views, one per linear), silu(gate) and silu(gate) * up [N, f]:
+    4 bytes x N x (3 d + 2 f) more, and the backward makes none of them again; the gradients
+    are autograd's either way."""
+    d, f = 4, 12
+    model, cap, sg, data, ref_loss, ref_grads = _swiglu_stage(d, f)
+    remade, kept = split_backward(sg, {}, remake=True), split_backward(sg, {}, remake=False)
+    assert (remade.remake, kept.remake) == (True, False)
+    assert kept.saved_bytes - remade.saved_bytes == 4 * 6 * (3 * d + 2 * f)
+
+    def elementwise(prog):
+        return sum(1 for p in (prog.i, prog.w) for n in p.gm.graph.nodes
+                   if n.op == "call_function" and n.target in (torch.ops.aten.silu.default, torch.ops.aten.mul.Tensor))
+
+    assert elementwise(kept) < elementwise(remade)
+    _check_regions(kept)
+    _assert_trains_like_autograd(kept, model, cap, data, ref_loss, ref_grads)
