@@ -48,7 +48,15 @@ _MASKED_BACKWARD = {
 
 def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str] | None = None,
                    recompute: bool = False, remake: bool = True) -> StageProgram:
-    """Trace the stage's joint graph and partition it into F, I, W and B programs.
+    """Trace the stage's joint graph and partition it into F, I, W and B programs (the one
+    form ``remake`` says: ``split_backward_forms``)."""
+    return split_backward_forms(stage, input_requires_grad, trainable, recompute, (remake,))[0]
+
+
+def split_backward_forms(stage: StageGraph, input_requires_grad: dict[str, bool], trainable: set[str] | None = None,
+                         recompute: bool = False, forms: tuple[bool, ...] = (True,)) -> list[StageProgram]:
+    """Trace the stage's joint graph once and partition it into F, I, W and B programs, once per
+    entry of ``forms`` (each a ``remake``), in that order.
 
     ``input_requires_grad[name]`` says which stage inputs carry a gradient (the previous stage's
     ``diff_outputs``); ``trainable`` is the set of parameter FQNs that get gradients (default all).
@@ -112,18 +120,38 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     out_node = next(n for n in joint.graph.nodes if n.op == "output")
     flat_out = list(out_node.args[0])
     n_out = len(out_names)
-    fwd_outs = flat_out[:n_out]
     gin_nodes = flat_out[n_out: n_out + len(grad_inputs)]
     gpar_nodes = flat_out[n_out + len(grad_inputs):]
     assert len(gpar_nodes) == len(grad_params)
 
     _split_masked_backward(joint, set(_ancestors(gin_nodes)))
-    annotate_costs(joint)  # once: the programs below copy each node's meta with it
-    # node objects may have been replaced: re-read outputs
+    annotate_costs(joint)  # once: the programs below copy each node's meta with it (_partition re-reads the outputs)
+    programs = []
+    for k, remake in enumerate(forms):
+        # every form but the last partitions a copy of the joint graph: partitioning rewrites it
+        form, form_names = (joint, names) if k == len(forms) - 1 else _copy_joint(joint, names)
+        programs.append(_partition(stage, form, form_names, out_names, grad_inputs, grad_params, diff_outputs,
+                                   vals[len(phs) - len(stage.inputs):], recompute, remake))
+    return programs
+
+
+def _copy_joint(joint: fx.GraphModule, names: dict) -> tuple[fx.GraphModule, dict]:
+    """A copy of a traced joint graph (new nodes, their meta shallow-copied) and its placeholder keys."""
+    graph, val_map = fx.Graph(), {}
+    graph.output(graph.graph_copy(joint.graph, val_map))
+    return fx.GraphModule(joint, graph), {val_map[n]: k for n, k in names.items()}
+
+
+def _partition(stage: StageGraph, joint: fx.GraphModule, names: dict, out_names, grad_inputs, grad_params,
+               diff_outputs, input_vals, recompute: bool, remake: bool) -> StageProgram:
+    """The F, I, W and B programs of one traced joint graph (``split_backward``'s second half;
+    ``joint`` is rewritten)."""
+    j_phs = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    out_node = next(n for n in joint.graph.nodes if n.op == "output")
     flat_out = list(out_node.args[0])
+    n_out = len(out_names)
     n_gin = n_out + len(grad_inputs)
     fwd_outs, gin_nodes, gpar_nodes = flat_out[:n_out], flat_out[n_out: n_gin], flat_out[n_gin:]
-
     if recompute and any(is_random(n) for n in joint.graph.nodes):
         raise ValueError(f"autopar: stage {stage.index} has random ops (dropout?); recomputation would replay "
                          "them with different random numbers. Use recompute=False for this stage.")
@@ -199,31 +227,38 @@ def split_backward(stage: StageGraph, input_requires_grad: dict[str, bool], trai
     return StageProgram(
         stage=stage, f=f_prog, i=i_prog, w=w_prog, b=b_prog,
         diff_outputs=diff_outputs, grad_inputs=grad_inputs, grad_params=grad_params,
-        input_strides={name: tuple(v.stride()) for name, v in zip(stage.inputs, vals[len(phs) - len(stage.inputs):])},
+        input_strides={name: tuple(v.stride()) for name, v in zip(stage.inputs, input_vals)},
         saved_bytes=saved_f, recompute=recompute, joint=joint, remake=remake and not recompute,
     )
 
 
 def stage_programs(stages: list[StageGraph], trainable: set[str], held=None, recompute=(), remake=None,
-                   stop_after: int | None = None) -> list[StageProgram | StageInfo]:
+                   stop_after: int | None = None, also_remade: bool = False) -> list:
     """Every stage's programs, in stage order: ``split_backward`` for the stages in ``held``
     (default all; a set of indices, or a predicate ``held(stage, input_requires_grad)``), a
     ``StageInfo`` (which outputs carry a gradient: one fake forward) for the others. Stage s's
     inputs carry a gradient where stage s-1's differentiable outputs do.
     ``recompute``: the stage indices whose F keeps only its inputs; ``remake``: those whose
     backward makes element-wise values again (``split_backward``; None: every stage). ``stop_after``: stop once
-    that many held stages are split (the rest of the list is left out)."""
+    that many held stages are split (the rest of the list is left out). ``also_remade``: a held
+    stage's entry is (its programs, its programs making element-wise values again), both from
+    one trace of its joint graph (``split_backward_forms``)."""
     out: list[StageProgram | StageInfo] = []
     requires: dict[str, bool] = {}
     split = 0
     for st in stages:
         if held is None or (held(st, requires) if callable(held) else st.index in held):
-            prog = split_backward(st, requires, trainable, recompute=st.index in recompute,
-                                  remake=remake is None or st.index in remake)
+            own = remake is None or st.index in remake
+            if also_remade:
+                prog, again = split_backward_forms(st, requires, trainable, st.index in recompute, (own, True))
+                out.append((prog, again))
+            else:
+                prog = split_backward(st, requires, trainable, recompute=st.index in recompute, remake=own)
+                out.append(prog)
             split += 1
         else:
             prog = StageInfo(st, differentiable_outputs(st, requires, trainable))
-        out.append(prog)
+            out.append(prog)
         requires = {name: True for name in prog.diff_outputs}
         if stop_after is not None and split >= stop_after:
             break

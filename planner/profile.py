@@ -401,7 +401,7 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
     from autopar.passes.capture import capture
     from autopar.passes.optimizer_routing import route_parameters
     from autopar.passes.program import StageProgram
-    from autopar.passes.split_backward import split_backward, stage_programs
+    from autopar.passes.split_backward import stage_programs
 
     say = progress or (lambda msg: None)
     if not isinstance(inputs, (tuple, list)):
@@ -453,12 +453,13 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
             return new
 
         last_requires: dict = {}  # which inputs of the last unit carry a gradient
-        requires: dict = {}  # which inputs of this unit carry a gradient
         # the units as the plans run them by default: eager stages keep their element-wise
         # values, compiled ones make them again (Plan.remake); an eager profile also holds each
         # kind's remaking variant (UnitKind.remade), which the search takes where memory binds
-        split = stage_programs(stages, trainable, held=first_of_its_kind, remake=None if compile else ())
+        split = stage_programs(stages, trainable, held=first_of_its_kind, remake=None if compile else (),
+                               also_remade=not compile)
         for st, label, sp in zip(stages, labels, split):
+            sp, again = sp if isinstance(sp, tuple) else (sp, None)
             if st.index == len(stages) - 2:
                 last_requires = {name: True for name in sp.diff_outputs}
             sig = sigs[st.index]
@@ -466,12 +467,10 @@ def profile_model(model: torch.nn.Module, inputs: tuple, target=None, loss_fn=No
                 unit_label = label or ("prologue" if st.index == 0 else "epilogue")
                 measure = timer.add(sp, st) if real else None
                 kind = _with_routed(_unit_kind(unit_label, sp, st, is_expert, measure=measure, routes=routes), sp)
-                if not compile:
-                    again = split_backward(st, requires, trainable, remake=True)
+                if again is not None:
                     again_kind = _unit_kind(unit_label, again, st, is_expert, routes=routes)
                     kind = replace(kind, remade=_with_routed(again_kind, again))
                 kinds[sig] = kind
-            requires = {name: True for name in sp.diff_outputs}
             unit_kinds.append(kinds[sig])
         unit_kinds = with_tp_shares(captured, stages, labels, unit_kinds)
         chunked_kind, chunk = _chunked_epilogue(stages[-1], last_requires, trainable, unit_kinds[-1], is_expert,
