@@ -92,8 +92,11 @@ def _torch_stage_module(gpt, lo: int, hi: int, first: bool, last: bool):
     return Stage()
 
 
-def _torch_pipeline(kind: str, rank: int, model_kwargs: dict, m: int, lr: float, blocks_per_stage):
-    """(schedule, optimizer, stage modules, holds stage 0, holds the last stage) for torch.distributed.pipelining."""
+def _torch_pipeline(kind: str, rank: int, model_kwargs: dict, m: int, lr: float, blocks_per_stage,
+                    compiled: bool = False):
+    """(schedule, optimizer, stage modules, holds stage 0, holds the last stage) for
+    torch.distributed.pipelining; ``compiled``: each stage module's forward through
+    ``torch.compile`` (``nn.Module.compile``)."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleZBVZeroBubble
 
@@ -111,6 +114,11 @@ def _torch_pipeline(kind: str, rank: int, model_kwargs: dict, m: int, lr: float,
     for s in stage_ids:
         blocks = blocks_per_stage[s]
         mod = _torch_stage_module(gpt, blocks[0], blocks[-1] + 1, first=s == 0, last=s == num_stages - 1)
+        if compiled:
+            # torch.distributed.pipelining's stage backward retains the graph, which compiled
+            # backwards with donated buffers refuse (torch's own error names this switch)
+            torch._functorch.config.donated_buffer = False
+            mod.compile()
         mods.append(mod)
         stages.append(PipelineStage(mod, s, num_stages, dev))
     params = [p for mod in mods for p in mod.parameters()]
@@ -136,16 +144,18 @@ def _rank_main(rank, world, args_dict):
     m, lr = args_dict["microbatches"], 1e-3
     _, (idx,), target, _ = make_gpt(**mk)
     out = {}
+    compiled = args_dict["compile"]
+    single = _single_process_step(mk, m, lr) if compiled and rank == 0 else None
     for kind in args_dict["pairs"]:
         model, inputs, tgt, loss_fn = make_gpt(**mk)
         pm = autopar.parallelize(model, inputs, loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=lr),
-                                 plan=autopar.Plan(pp=2, schedule=kind, num_microbatches=m,
+                                 plan=autopar.Plan(pp=2, schedule=kind, num_microbatches=m, compile=compiled,
                                                    remake=args_dict["remake"]), example_target=tgt)
         blocks = _stage_blocks(pm)
         n_st = 2 if kind == "1f1b" else 4
         per = mk["n_layer"] // n_st
         hand = [list(range(s * per, (s + 1) * per)) for s in range(n_st)]
-        sched, opt, mods, has_first, has_last = _torch_pipeline(kind, rank, mk, m, lr, hand)
+        sched, opt, mods, has_first, has_last = _torch_pipeline(kind, rank, mk, m, lr, hand, compiled)
 
         def step_autopar():
             return float(pm.step((idx,), target))
@@ -166,11 +176,13 @@ def _rank_main(rank, world, args_dict):
             return None
 
         runs = {"autopar": step_autopar, "torch": step_torch}
-        times = {"autopar": [], "torch": []}
+        if compiled:  # torch.compile(model) in one process (rank 0; rank 1 waits at the barrier)
+            runs["single"] = single if rank == 0 else (lambda: None)
+        times = {name: [] for name in runs}
         first_loss = {}
         n_total = args_dict["warmup"] + args_dict["steps"]
         for it in range(n_total):
-            order = ["autopar", "torch"] if it % 2 == 0 else ["torch", "autopar"]
+            order = list(runs) if it % 2 == 0 else list(runs)[::-1]
             for name in order:
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -189,6 +201,32 @@ def _rank_main(rank, world, args_dict):
     return out
 
 
+def _single_process_step(model_kwargs: dict, m: int, lr: float):
+    """One training step of ``torch.compile(model)`` in this process: the whole GPT, gradients
+    accumulated over the ``m`` microbatches, SGD (issue 49 C2's reference: its time over 2 is
+    what 2 processes would take at perfect scaling)."""
+    import torch
+
+    from autopar.examples.gpt import gpt_loss, make_gpt
+
+    model, (idx,), target, _ = make_gpt(**model_kwargs)
+    cm = torch.compile(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    xs, ys = idx.chunk(m), target.chunk(m)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for x, y in zip(xs, ys):
+            loss = gpt_loss(cm(x), y) / m
+            loss.backward()
+            total += float(loss)
+        opt.step()
+        return total
+
+    return step
+
+
 def _parse(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=8)
@@ -205,6 +243,9 @@ def _parse(argv):
     ap.add_argument("--remake", action="store_true",
                     help="autopar's backward makes element-wise values again on every stage (Plan(remake=True)); "
                          "default: the eager plan's default, kept from F")
+    ap.add_argument("--compile", action="store_true",
+                    help="autopar Plan(compile=True), torch's stage modules torch.compile'd, and torch.compile(model) "
+                         "in one process as the goal reference (issue 49 C2)")
     return ap.parse_args(argv)
 
 
@@ -224,12 +265,14 @@ def main(argv=None) -> int:
         print("--layers must be a multiple of 4 (zbv splits the blocks into quarters)", file=sys.stderr)
         return 2
     cfg = dict(model_kwargs=_model_kwargs(args), microbatches=args.microbatches, steps=args.steps,
-               warmup=args.warmup, pairs=pairs, remake=True if args.remake else None)
+               warmup=args.warmup, pairs=pairs, remake=True if args.remake else None, compile=args.compile)
     print(f"pp_vs_torch: gpt {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "
           f"{args.microbatches} microbatches, 2 gloo ranks, {args.warmup} warm-up + {args.steps} timed steps each, "
-          f"element-wise values {'made again' if args.remake else 'kept'}, "
+          f"{'compiled (Inductor), ' if args.compile else ''}"
+          f"element-wise values {'made again' if args.remake or args.compile else 'kept'}, "
           f"torch {torch.__version__}", flush=True)
-    results = run_ranks(_rank_main, 2, cfg, timeout_s=30.0, deadline_s=args.deadline)
+    # (compiling, a rank's first steps wait on the other's Inductor compiles: minutes on 2 cores)
+    results = run_ranks(_rank_main, 2, cfg, timeout_s=600.0 if args.compile else 30.0, deadline_s=args.deadline)
     res = results[0]
     ok = True
     for kind in pairs:
@@ -254,6 +297,13 @@ def main(argv=None) -> int:
         print(f"[{kind}] ratio of medians {ratio_med:.3f}, median of per-round ratios {ratio:.3f}")
         print(f"RATIO {kind} autopar/torch = {ratio:.3f} (target <= {tgt:.2f}: {'MET' if ratio <= tgt else 'NOT MET'})",
               flush=True)
+        if args.compile:
+            # the goal limit under compile: autopar's 2-process step against torch.compile's
+            # one-process step halved (perfect scaling), per round
+            goal = statistics.median(2 * a / s for a, s in zip(r["times"]["autopar"], r["times"]["single"]))
+            ts = statistics.median(r["times"]["single"])
+            print(f"GOAL {kind} autopar / (torch.compile one process / 2) = {goal:.3f} (torch.compile step "
+                  f"{ts * 1e3:.1f} ms; target <= 1.35: {'MET' if goal <= 1.35 else 'NOT MET'})", flush=True)
     return 0 if ok else 1
 
 
