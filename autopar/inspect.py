@@ -35,7 +35,7 @@ def stage_rows(programs, schedule) -> list[dict]:
 def _backward_mode(prog) -> str:
     """What F keeps for the backward: "recompute" (its inputs; I replays the forward), "remake"
     (element-wise values made again in I and W: ``Plan.remake``) or "keep" (every value it reads)."""
-    return "recompute" if prog.recompute else "remake" if getattr(prog, "remake", False) else "keep"
+    return "recompute" if prog.recompute else "remake" if prog.remake else "keep"
 
 
 def _param_placeholders(st) -> set[str]:

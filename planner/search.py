@@ -548,13 +548,10 @@ def _refine_all(ev: Evaluator, pool: list[Candidate], req: Request) -> list[ILPR
     """``_refine`` every candidate of ``pool``, their solves at once: CBC runs each in a process of
     its own (one thread, a node budget), so on a multi-core machine the solves overlap; the
     inputs and the adoption stay in order here, so the answer is the same as one by one."""
-    inputs = [_ilp_input(ev, c) for c in pool]
-    if len(pool) < 2:
-        return [_adopt(ev, c, solve_partition(*x, max_nodes=req.ilp_nodes, warm=c.estimate.partition))
-                for c, x in zip(pool, inputs)]
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=len(pool)) as pool_:
+    inputs = [_ilp_input(ev, c) for c in pool]
+    with ThreadPoolExecutor(max_workers=max(1, len(pool))) as pool_:
         futures = [pool_.submit(solve_partition, *x, max_nodes=req.ilp_nodes, warm=c.estimate.partition)
                    for c, x in zip(pool, inputs)]
         results = [f.result() for f in futures]
