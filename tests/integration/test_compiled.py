@@ -60,14 +60,12 @@ def test_compiled_programs_match_eager(plan, kinds, caplog):
 def test_program_inductor_cannot_compile_runs_op_by_op(monkeypatch, caplog):
     """Inductor failing on a program (here: every program) leaves it op by op, for good, with the
     program and the reason in the log; training equals eager to the fp32 contract."""
-    import autopar.runtime.compiled as compiled
+    import torch._inductor.compile_fx as inductor
 
-    def refusing(gm, **kwargs):
-        def call(*args):
-            raise RuntimeError("no kernel for this graph")
-        return call
+    def refusing(gm, example_inputs, **kwargs):
+        raise RuntimeError("no kernel for this graph")
 
-    monkeypatch.setattr(compiled.torch, "compile", refusing)
+    monkeypatch.setattr(inductor, "compile_fx", refusing)
     with caplog.at_level(logging.INFO, logger="autopar"):
         pm, losses, ref_losses, ref_state = _train(autopar.Plan(num_microbatches=2, compile=True))
     for got, want in zip(losses, ref_losses):
