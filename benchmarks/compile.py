@@ -1,6 +1,6 @@
 """C1/C4: autopar's compiled stage programs against ``torch.compile(model)``, one process.
 
-    python benchmarks/compile.py                   # --layers 8 --d-model 128 --seq 64 --batch 32 -m 8 --steps 7
+    python benchmarks/compile.py                   # --layers 8 --d-model 128 --seq 64 --batch 32 -m 8 --steps 11
     python benchmarks/compile.py --steps 5 --layers 4
 
 Model: ``autopar.examples.gpt`` (seeded), a global batch of ``--batch`` sequences cut into ``-m``
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--vocab", type=int, default=256)
     ap.add_argument("-m", "--microbatches", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=7, help="timed rounds after the first (compiling) step")
+    ap.add_argument("--steps", type=int, default=11, help="timed rounds after the first (compiling) step")
     ap.add_argument("--keep-cache", action="store_true", help="use Inductor's cache as it is (warm compile)")
     ap.add_argument("--no-warm", action="store_true", help="skip the second, warm-cache process")
     ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)  # the second process

@@ -63,8 +63,9 @@ def _signature(a):
 
 def _key(args) -> tuple:
     """What Inductor's code for a graph is specialized to: each tensor argument's shape, strides,
-    dtype and device (other arguments by value), and grad mode."""
-    return torch.is_grad_enabled(), *(_signature(a) for a in args)
+    dtype and device (other arguments by value), and grad mode. (Per call: the tensors inline.)"""
+    return torch.is_grad_enabled(), *[(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor)
+                                      else _signature(a) for a in args]
 
 
 def _multi(node) -> int | None:
