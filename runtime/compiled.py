@@ -35,8 +35,10 @@ Inductor's default (Python) wrapper: its ``cpp_wrapper`` was measured on example
 d 128, one thread): a stage F call 3.1 ms against 3.9 ms, but the first compile 1.8x longer and
 the zbv step no faster (benchmarks/compile.py), so it is not used.
 
-Compile time is paid at a program's first call (Dynamo compiles lazily); the log reports it per
-program and the program keeps it (``Program.compile_s``; ``compile_report`` sums them).
+Compile time is paid at a program's first call (the arguments' shapes are known then); the log
+reports it per program and the program keeps it (``Program.compile_s``; ``compile_report`` sums
+them). A second process on a warm Inductor cache pays 0.3-0.8 s for all of examples/gpt's
+programs against ~16 s cold (benchmarks/compile.py).
 """
 from __future__ import annotations
 

@@ -15,13 +15,16 @@ with ep > 1, against tests/reference.eager_mixed_reference (its optimizer clips 
 clip_grad_norm_ on the fp32 accumulated gradients): in the same pooled runs,
   2 ranks: dp=2 x ep=2 ZeRO-0, static capacity -- every master stepped whole, cast back
            dp=2 x ep=2 ZeRO-3, dropless, clipping -- experts stepped whole beside the shards
-  4 ranks: dp=4 x ep=2 ZeRO-1, dropless, clipping -- expert masters sharded over their group
+  4 ranks (with AUTOPAR_EP_FULL=1, which .ci/run sets: the suite's time budget):
+           dp=4 x ep=2 ZeRO-1, dropless, clipping -- expert masters sharded over their group
            dp=4 x ep=2 ZeRO-2, static -- expert groups' flat fp32 gradients
 losses (and the step after load_state_dict) to 1e-3, the dense bf16 tests' tolerance; the
 final masters to 1e-3 relative in L2 per tensor (MIXED_* below); fp32 masters (not rounded
 through the compute copies) and optimizer state with 1/(dp/ep) of the experts, bf16 compute
 copies, the clipped norms to 1e-3.
 """
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -203,9 +206,10 @@ ZERO = {2: [("dp2 ep2 zero1", _zplan(2, 1), None, "fp32"),
             ("dp2 ep2 zero0 bf16", _zplan(2, 0), None, "bf16"),
             ("dp2 ep2 zero3 bf16 dropless", _zplan(2, 3), 0.05, "bf16 dropless")],
         4: [("dp4 ep2 zero1", _zplan(4, 1), 0.05, "fp32"),
-            ("dp4 ep2 zero3", _zplan(4, 3), 0.05, "fp32"),
-            ("dp4 ep2 zero1 bf16 dropless", _zplan(4, 1), 0.05, "bf16 dropless"),
-            ("dp4 ep2 zero2 bf16", _zplan(4, 2), None, "bf16")]}
+            ("dp4 ep2 zero3", _zplan(4, 3), 0.05, "fp32")]}
+if os.environ.get("AUTOPAR_EP_FULL") == "1":
+    ZERO[4] += [("dp4 ep2 zero1 bf16 dropless", _zplan(4, 1), 0.05, "bf16 dropless"),
+                ("dp4 ep2 zero2 bf16", _zplan(4, 2), None, "bf16")]
 # bf16 vs the eager bf16 run: losses 1e-3 relative (design.md §5); masters 1e-3 relative in L2 per
 # tensor (measured <= 3.5e-4; the fp32 run is up to 2e-2 away) and elementwise within half an
 # AdamW step at lr=1e-2 (an element whose gradient is about zero moves by bf16 rounding's sign)
