@@ -2,10 +2,12 @@
 eager PyTorch (design.md §5: loss 1e-5 relative, parameters after two SGD steps 1e-4).
 
   2 ranks: pp=2 with zbv: GPT-2, Llama, Gemma2 (with the chunked loss), Mixtral,
-           DeepSeek-V3, BERT, Llama 4 (experts given rows grouped by expert), Gemma 3 (its local and
-           global RoPE tables computed by iterating over a set of layer types: each process has its
-           own Python hash seed, the build aligns their graphs, passes/align.py), and with 1f1b: Llama (every model with AUTOPAR_HF_FULL=1, which also adds Qwen2, Mistral,
-           Qwen3-MoE and Gemma2 with the loss as captured)
+           DeepSeek-V3, BERT, Llama 4 (experts given rows grouped by expert), and with 1f1b: Llama
+           (every model with AUTOPAR_HF_FULL=1, which also adds Qwen2, Mistral, Qwen3-MoE, Gemma2
+           with the loss as captured and Gemma 3: its local and global RoPE tables computed by
+           iterating over a set of layer types, each process with its own Python hash seed, the
+           build aligning their graphs, passes/align.py; tests/dist/test_hash_seeds.py runs it by
+           default)
            (the causal mask crosses the pipeline cut as a broadcast view; Gemma2's eager
            soft-capped attention; MoE blocks in local mode)
   4 ranks: pp=2 x dp=2, 1f1b (with AUTOPAR_HF_FULL=1: Llama, Mixtral and BERT); and H4: a dict batch
@@ -30,11 +32,12 @@ pytestmark = pytest.mark.slow
 ALL = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "mixtral", "qwen3_moe", "deepseek_v3", "bert", "llama4", "gemma3")
 LR, BATCH, SEQ = 0.5, 8, 16
 FULL = os.environ.get("AUTOPAR_HF_FULL") == "1"
-# pipelined only with AUTOPAR_HF_FULL=1: Llama with a bias (Qwen2) or a sliding window (Mistral),
+# pipelined only with AUTOPAR_HF_FULL=1: Gemma 3 (tests/dist/test_hash_seeds.py runs it at pp=2
+# zbv in every default run, under a hash seed per rank); Llama with a bias (Qwen2) or a sliding window (Mistral),
 # both in every default context-parallel run (tests/dist/test_hf_context_parallel.py); Qwen3-MoE,
 # Mixtral with another router; Gemma2 with the loss as captured (the default run pipelines it
 # with the chunked loss)
-LLAMA_LIKE = ("qwen2", "mistral", "qwen3_moe", "gemma2")
+LLAMA_LIKE = ("qwen2", "mistral", "qwen3_moe", "gemma2", "gemma3")
 MATRIX = {
     # zbv (two stages per rank: three cuts through the model) on every model; 1f1b (one cut) on
     # GPT-2 and Llama by default and on every model with AUTOPAR_HF_FULL=1 (the same capture
