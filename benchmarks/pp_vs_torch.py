@@ -2,6 +2,7 @@
 
     python benchmarks/pp_vs_torch.py            # --layers 8 --d-model 128 --heads 4 --seq 64 --batch 16 -m 8 --steps 7
     python benchmarks/pp_vs_torch.py --pairs 1f1b --steps 5
+    python benchmarks/pp_vs_torch.py --compile --breakdown   # autopar's step per rank: programs, receive waits, rest
 
 Model: ``autopar.examples.gpt`` (seeded, identical on both ranks and for both libraries).
 Pairs (both 2 ranks, ``-m`` microbatches, SGD):
@@ -132,6 +133,34 @@ def _torch_pipeline(kind: str, rank: int, model_kwargs: dict, m: int, lr: float,
     return sched, opt, mods, has_first, has_last
 
 
+def _install_timers() -> tuple[dict, object]:
+    """Seconds this process spends in stage programs and in receive waits, summed until reset
+    (``--breakdown``: wraps runtime.execute.run, the name runtime/stage_work.py calls, and
+    DistributedPipeline._wait), and a function that takes the wrappers off again (the ranks may
+    be a pool's, reused after this run)."""
+    from autopar.runtime import distributed, execute, stage_work
+
+    spent = {"programs": 0.0, "waits": 0.0}
+    originals = execute.run, stage_work.run, distributed.DistributedPipeline._wait
+
+    def restore():
+        execute.run, stage_work.run, distributed.DistributedPipeline._wait = originals
+
+    def timed(fn, key):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[key] += time.perf_counter() - t0
+        return wrapper
+
+    stage_work.run = execute.run = timed(execute.run, "programs")
+    distributed.DistributedPipeline._wait = timed(distributed.DistributedPipeline._wait, "waits")
+    return spent, restore
+
+
 def _rank_main(rank, world, args_dict):
     import torch
     import torch.distributed as dist
@@ -145,6 +174,7 @@ def _rank_main(rank, world, args_dict):
     _, (idx,), target, _ = make_gpt(**mk)
     out = {}
     compiled = args_dict["compile"]
+    spent, restore = _install_timers() if args_dict["breakdown"] else (None, lambda: None)
     single = _single_process_step(mk, m, lr) if compiled and rank == 0 else None
     for kind in args_dict["pairs"]:
         model, inputs, tgt, loss_fn = make_gpt(**mk)
@@ -179,12 +209,15 @@ def _rank_main(rank, world, args_dict):
         if compiled:  # torch.compile(model) in one process (rank 0; rank 1 waits at the barrier)
             runs["single"] = single if rank == 0 else (lambda: None)
         times = {name: [] for name in runs}
+        parts = []  # --breakdown: (step, programs, receive waits) of each timed autopar step
         first_loss = {}
         n_total = args_dict["warmup"] + args_dict["steps"]
         for it in range(n_total):
             order = list(runs) if it % 2 == 0 else list(runs)[::-1]
             for name in order:
                 dist.barrier()
+                if spent is not None:
+                    spent.update(programs=0.0, waits=0.0)
                 t0 = time.perf_counter()
                 loss = runs[name]()
                 dist.barrier()
@@ -193,11 +226,14 @@ def _rank_main(rank, world, args_dict):
                     first_loss[name] = loss
                 if it >= args_dict["warmup"]:
                     times[name].append(dt)
+                    if spent is not None and name == "autopar":
+                        parts.append((dt, spent["programs"], spent["waits"]))
         # the torch loss lives on the rank holding the last stage; share it
         t = torch.tensor([first_loss["torch"] if first_loss["torch"] is not None else 0.0], dtype=torch.float64)
         dist.all_reduce(t)
         first_loss["torch"] = float(t)
-        out[kind] = {"times": times, "first_loss": first_loss, "blocks": blocks, "hand": hand}
+        out[kind] = {"times": times, "first_loss": first_loss, "blocks": blocks, "hand": hand, "parts": parts}
+    restore()
     return out
 
 
@@ -243,6 +279,9 @@ def _parse(argv):
     ap.add_argument("--remake", action="store_true",
                     help="autopar's backward makes element-wise values again on every stage (Plan(remake=True)); "
                          "default: the eager plan's default, kept from F")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="per rank, autopar's median step split into its stage programs, its receive waits and the "
+                         "rest (sends, accumulation, the loss broadcast, the barrier)")
     ap.add_argument("--compile", action="store_true",
                     help="autopar Plan(compile=True), torch's stage modules torch.compile'd, and torch.compile(model) "
                          "in one process as the goal reference (issue 49 C2)")
@@ -265,7 +304,8 @@ def main(argv=None) -> int:
         print("--layers must be a multiple of 4 (zbv splits the blocks into quarters)", file=sys.stderr)
         return 2
     cfg = dict(model_kwargs=_model_kwargs(args), microbatches=args.microbatches, steps=args.steps,
-               warmup=args.warmup, pairs=pairs, remake=True if args.remake else None, compile=args.compile)
+               warmup=args.warmup, pairs=pairs, remake=True if args.remake else None, compile=args.compile,
+               breakdown=args.breakdown)
     print(f"pp_vs_torch: gpt {args.layers} layers, d_model {args.d_model}, seq {args.seq}, batch {args.batch}, "
           f"{args.microbatches} microbatches, 2 gloo ranks, {args.warmup} warm-up + {args.steps} timed steps each, "
           f"{'compiled (Inductor), ' if args.compile else ''}"
@@ -297,6 +337,11 @@ def main(argv=None) -> int:
         print(f"[{kind}] ratio of medians {ratio_med:.3f}, median of per-round ratios {ratio:.3f}")
         print(f"RATIO {kind} autopar/torch = {ratio:.3f} (target <= {tgt:.2f}: {'MET' if ratio <= tgt else 'NOT MET'})",
               flush=True)
+        for rank, rr in enumerate(results):
+            if rr[kind]["parts"]:
+                step, progs, waits = (statistics.median(p[i] for p in rr[kind]["parts"]) * 1e3 for i in range(3))
+                print(f"[{kind}] autopar rank {rank} (medians): step {step:.1f} ms = programs {progs:.1f} + receive "
+                      f"waits {waits:.1f} + rest {step - progs - waits:.1f}")
         if args.compile:
             # the goal limit under compile: autopar's 2-process step against torch.compile's
             # one-process step halved (perfect scaling), per round
