@@ -88,11 +88,17 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         assert self.tp == 1, "for_tp of an Evaluator that already prices one tp degree"
         hit = self._tp.get(tp)
         if hit is None:
-            hit = self._tp[tp] = Evaluator(self.profile.at_tp(tp), self.device, self.memory_limit, self.global_batch,
-                                           self.bucket_bytes, self.moe_imbalance, loss_chunking=self.loss_chunking,
-                                           offloading=self.offloading, optimizer=self.optimizer)
-            hit.tp = tp
+            hit = self._tp[tp] = self._like(self.profile.at_tp(tp), tp)
         return hit
+
+    def _like(self, profile, tp: int) -> "Evaluator":
+        """An Evaluator of another form of this model (tp share, chunked loss, remade backward)
+        with this one's device, limit, batch and settings, seen at ``tp``."""
+        ev = Evaluator(profile, self.device, self.memory_limit, self.global_batch, self.bucket_bytes,
+                       self.moe_imbalance, loss_chunking=self.loss_chunking, offloading=self.offloading,
+                       optimizer=self.optimizer)
+        ev.tp = tp
+        return ev
 
     @property
     def chunked(self) -> "Evaluator | None":
@@ -102,9 +108,7 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         if self.profile.chunked is None or not self.loss_chunking:
             return None
         if self._chunked is None:
-            self._chunked = Evaluator(self.profile.chunked, self.device, self.memory_limit, self.global_batch,
-                                      self.bucket_bytes, self.moe_imbalance, offloading=self.offloading,
-                                      optimizer=self.optimizer)
+            self._chunked = self._like(self.profile.chunked, self.tp)
         return self._chunked
 
     @property
@@ -113,10 +117,7 @@ class Evaluator(TimeModel, MemoryModel, OffloadModel):
         again (``ModelProfile.remade``, ``Plan.remake``), with the same settings; None where the
         profile has no such variant (a compiled one is in that form already)."""
         if self._remade is None and self.profile.remade is not None:
-            self._remade = Evaluator(self.profile.remade, self.device, self.memory_limit, self.global_batch,
-                                     self.bucket_bytes, self.moe_imbalance, loss_chunking=self.loss_chunking,
-                                     offloading=self.offloading, optimizer=self.optimizer)
-            self._remade.tp = self.tp
+            self._remade = self._like(self.profile.remade, self.tp)
         return self._remade
 
     def evaluate(self, lay: Layout, part: Partition) -> Estimate:
